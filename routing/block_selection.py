@@ -1,0 +1,183 @@
+"""Block selection: which contiguous span of blocks a server should hold, and when to move.
+
+Every function here is pure over a `SwarmSnapshot`. A server counts the swarm's capacity per
+block (the summed throughput, in tokens/s, of the joining and online servers holding it) and
+takes the window of blocks the swarm serves worst:
+
+1. the window that covers the most blocks nobody holds (a hole stops every generation);
+2. then the window that leaves the swarm's bottleneck (its least-served block) highest once this
+   server's own throughput is added;
+3. then the window whose per-block capacities, sorted ascending, are lexicographically smallest
+   (its weakest block is weakest, then its second weakest, ...);
+4. then the lowest start, so equal swarms always give equal answers.
+
+A running server re-checks now and then (`recheck_delay`) and moves (`better_span`) only when
+that clearly helps the blocks it would leave and join, so servers do not chase noise.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+from routing.records import SELECTION_STATES, ServerRecord, SwarmSnapshot
+
+# A move drains sessions and reloads weights, minutes of lost service; only make it when the
+# weakest affected block gains at least 20%. Below that, throughput measurements are noise.
+DEFAULT_MIN_IMPROVEMENT = 1.2
+# Re-check about every 2 minutes per server (with jitter): fast enough to fill a hole left by a
+# departing server before users notice, slow enough that DHT lookups stay a trickle.
+DEFAULT_RECHECK_PERIOD_S = 120.0
+# Spread re-checks over +-50% of the period so servers that started together do not all move
+# into the same hole at the same moment.
+DEFAULT_RECHECK_JITTER = 0.5
+
+
+def best_window(
+    block_throughputs: Sequence[float],
+    block_server_counts: Sequence[int],
+    num_blocks_to_serve: int,
+    own_throughput: float,
+) -> tuple[int, int]:
+    """The span (start, end) to serve, given the swarm's per-block capacity and server counts.
+
+    This is `choose_blocks` over plain sequences, for callers (and simulations) that keep the
+    per-block numbers up to date themselves. A request for more blocks than the model has gets
+    the whole model.
+    """
+    num_blocks = len(block_throughputs)
+    if num_blocks == 0 or len(block_server_counts) != num_blocks:
+        raise ValueError(
+            "block_throughputs and block_server_counts must have one entry per block, "
+            f"got {num_blocks} and {len(block_server_counts)}"
+        )
+    if num_blocks_to_serve < 1:
+        raise ValueError(f"num_blocks_to_serve must be >= 1, got {num_blocks_to_serve}")
+    if not (math.isfinite(own_throughput) and own_throughput >= 0):
+        raise ValueError(f"own_throughput must be finite and >= 0, got {own_throughput!r}")
+    width = min(num_blocks_to_serve, num_blocks)
+
+    # Bottleneck outside each window, from prefix and suffix minima: O(blocks) for all windows.
+    prefix_min = [math.inf] * (num_blocks + 1)
+    for block in range(num_blocks):
+        prefix_min[block + 1] = min(prefix_min[block], block_throughputs[block])
+    suffix_min = [math.inf] * (num_blocks + 1)
+    for block in range(num_blocks - 1, -1, -1):
+        suffix_min[block] = min(suffix_min[block + 1], block_throughputs[block])
+
+    best_key: tuple[int, float, list[float], int] | None = None
+    for start in range(num_blocks - width + 1):
+        end = start + width
+        window = sorted(block_throughputs[start:end])
+        holes = sum(1 for count in block_server_counts[start:end] if count == 0)
+        bottleneck_after = min(prefix_min[start], suffix_min[end], window[0] + own_throughput)
+        key = (-holes, -bottleneck_after, window, start)
+        if best_key is None or key < best_key:
+            best_key = key
+    assert best_key is not None  # width <= num_blocks, so the loop ran at least once
+    start = best_key[3]
+    return (start, start + width)
+
+
+def choose_blocks(
+    snapshot: SwarmSnapshot, num_blocks_to_serve: int, own_throughput: float
+) -> tuple[int, int]:
+    """The span (start, end) a server with `own_throughput` tokens/s should serve.
+
+    Joining servers count as holding their span (see `SELECTION_STATES`); draining ones do not.
+    """
+    throughputs = snapshot.block_throughputs(states=SELECTION_STATES)
+    counts = snapshot.block_server_counts(states=SELECTION_STATES)
+    return best_window(throughputs, counts, num_blocks_to_serve, own_throughput)
+
+
+def better_span(
+    snapshot: SwarmSnapshot,
+    my_record: ServerRecord,
+    *,
+    min_improvement: float = DEFAULT_MIN_IMPROVEMENT,
+) -> tuple[int, int] | None:
+    """The span this server should move to, or None to stay where it is.
+
+    The server takes itself out of the swarm, chooses again as if joining, and compares the
+    blocks the move touches (its old span and its new one) before and after. It moves when the
+    move leaves fewer of them unserved, or as many unserved and the weakest served one faster by
+    more than `min_improvement` times. Every move makes the swarm's sorted per-block capacity
+    strictly better, so a swarm of servers following this rule settles instead of oscillating.
+    """
+    if not min_improvement >= 1:
+        raise ValueError(f"min_improvement must be >= 1, got {min_improvement!r}")
+    others = snapshot.without(my_record.peer_id)
+    candidate = choose_blocks(others, my_record.num_blocks, my_record.throughput)
+    if candidate == my_record.span:
+        return None
+
+    base_throughputs = others.block_throughputs(states=SELECTION_STATES)
+    base_counts = others.block_server_counts(states=SELECTION_STATES)
+    affected = set(range(*my_record.span)) | set(range(*candidate))
+
+    def weakest(span: tuple[int, int]) -> tuple[int, float]:
+        """(unserved blocks, weakest served block's throughput) of `affected` with me at span."""
+        holes = 0
+        served: list[float] = []
+        for block in affected:
+            mine = span[0] <= block < span[1]
+            if base_counts[block] == 0 and not mine:
+                holes += 1
+            else:
+                served.append(base_throughputs[block] + (my_record.throughput if mine else 0.0))
+        return holes, min(served, default=0.0)
+
+    holes_now, weakest_now = weakest(my_record.span)
+    holes_moved, weakest_moved = weakest(candidate)
+    if holes_moved != holes_now:
+        return candidate if holes_moved < holes_now else None
+    if weakest_now <= 0:
+        return candidate if weakest_moved > 0 else None
+    return candidate if weakest_moved > min_improvement * weakest_now else None
+
+
+def should_move(
+    snapshot: SwarmSnapshot,
+    my_record: ServerRecord,
+    *,
+    min_improvement: float = DEFAULT_MIN_IMPROVEMENT,
+) -> bool:
+    """Whether `better_span` would move this server."""
+    return better_span(snapshot, my_record, min_improvement=min_improvement) is not None
+
+
+def recheck_delay(
+    rng: random.Random,
+    period_s: float = DEFAULT_RECHECK_PERIOD_S,
+    *,
+    jitter: float = DEFAULT_RECHECK_JITTER,
+) -> float:
+    """Seconds until the next `better_span` check: `period_s` give or take `jitter` of it."""
+    if not (math.isfinite(period_s) and period_s > 0):
+        raise ValueError(f"period_s must be finite and > 0, got {period_s!r}")
+    if not 0 <= jitter < 1:
+        raise ValueError(f"jitter must be in [0, 1), got {jitter!r}")
+    return period_s * rng.uniform(1 - jitter, 1 + jitter)
+
+
+def blocks_that_fit(
+    memory_budget_bytes: int,
+    bytes_per_block: int,
+    cache_bytes_per_block: int,
+    num_blocks: int,
+) -> int:
+    """How many blocks fit in `memory_budget_bytes`, each with its weights and KV cache.
+
+    Capped at the model's `num_blocks`; 0 when not even one block fits.
+    """
+    if memory_budget_bytes < 0:
+        raise ValueError(f"memory_budget_bytes must be >= 0, got {memory_budget_bytes}")
+    if bytes_per_block <= 0:
+        raise ValueError(f"bytes_per_block must be > 0, got {bytes_per_block}")
+    if cache_bytes_per_block < 0:
+        raise ValueError(f"cache_bytes_per_block must be >= 0, got {cache_bytes_per_block}")
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    return min(num_blocks, memory_budget_bytes // (bytes_per_block + cache_bytes_per_block))
