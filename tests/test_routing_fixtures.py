@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -51,16 +52,25 @@ def swarms(draw: st.DrawFn, *, max_blocks: int = 16, max_servers: int = 12) -> S
     records = []
     for i in range(count):
         start = draw(st.integers(0, num_blocks - 1))
-        end = draw(st.integers(start + 1, num_blocks))
+        end = draw(st.integers(start + 1, min(num_blocks, start + draw(st.integers(1, 8)))))
         records.append(
             make_record(
                 f"peer{i:02d}",
                 start,
                 end,
                 throughput=draw(st.sampled_from([0.0, 1.0, 2.5, 10.0, 40.0])),
-                state=draw(st.sampled_from(list(ServerState))),
+                # Mostly usable servers, so that routes of several hops come up often.
+                state=draw(st.sampled_from([*ServerState, ServerState.ONLINE, ServerState.ONLINE])),
                 relayed=draw(st.booleans()),
-                free_cache_tokens=draw(st.sampled_from([0, 100, 4096])),
+                free_cache_tokens=draw(st.sampled_from([0, 100, 4096, 4096])),
             )
         )
+    if draw(st.booleans()):
+        # A backbone of online servers end to end, so that half the swarms have routes of
+        # several hops for the extras above to compete with.
+        cuts = draw(st.sets(st.integers(1, max(1, num_blocks - 1)), max_size=4)) - {num_blocks}
+        bounds = [0, *sorted(cuts), num_blocks]
+        for j, (start, end) in enumerate(itertools.pairwise(bounds)):
+            throughput = draw(st.sampled_from([1.0, 2.5, 10.0, 40.0]))
+            records.append(make_record(f"spine{j}", start, end, throughput=throughput))
     return make_snapshot(num_blocks, *records)
