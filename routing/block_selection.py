@@ -87,8 +87,7 @@ def choose_blocks(
 
     Joining servers count as holding their span (see `SELECTION_STATES`); draining ones do not.
     """
-    throughputs = snapshot.block_throughputs(states=SELECTION_STATES)
-    counts = snapshot.block_server_counts(states=SELECTION_STATES)
+    throughputs, counts = snapshot.coverage(states=SELECTION_STATES)
     return best_window(throughputs, counts, num_blocks_to_serve, own_throughput)
 
 
@@ -100,42 +99,48 @@ def better_span(
 ) -> tuple[int, int] | None:
     """The span this server should move to, or None to stay where it is.
 
-    The server takes itself out of the swarm, chooses again as if joining, and compares the
-    blocks the move touches (its old span and its new one) before and after. It moves when the
-    move leaves fewer of them unserved, or as many unserved and the weakest served one faster by
-    more than `min_improvement` times. Every move makes the swarm's sorted per-block capacity
-    strictly better, so a swarm of servers following this rule settles instead of oscillating.
+    The server takes itself out of the swarm and chooses again as if joining. Then it looks only
+    at the blocks the move touches: those it would leave and those it would join, counting the
+    other servers' capacity on each. It moves when
+
+    - the move leaves fewer of those blocks unserved; or, with none unserved either way,
+    - the weakest of them gets more than `min_improvement` times faster (a big server filling a
+      weak spot), or
+    - the blocks it leaves stay more than `min_improvement` times better served than the blocks
+      it joins, even with it there (a small server in a big swarm: no single move of it can lift
+      a block by 20%, but a surplus this large means it is in the wrong place).
+
+    Either way the weakest touched block gets strictly faster, so every move improves the
+    swarm's sorted per-block capacity and servers that follow this rule one at a time settle
+    instead of oscillating. A server that has not measured its throughput (0) only moves to fill
+    holes.
     """
     if not min_improvement >= 1:
         raise ValueError(f"min_improvement must be >= 1, got {min_improvement!r}")
+    own = my_record.throughput
     others = snapshot.without(my_record.peer_id)
-    candidate = choose_blocks(others, my_record.num_blocks, my_record.throughput)
+    candidate = choose_blocks(others, my_record.num_blocks, own)
     if candidate == my_record.span:
         return None
 
-    base_throughputs = others.block_throughputs(states=SELECTION_STATES)
-    base_counts = others.block_server_counts(states=SELECTION_STATES)
-    affected = set(range(*my_record.span)) | set(range(*candidate))
+    throughputs, counts = others.coverage(states=SELECTION_STATES)
+    # Same width, different start: both lists are non-empty.
+    leaving = [b for b in range(*my_record.span) if not candidate[0] <= b < candidate[1]]
+    joining = [b for b in range(*candidate) if not my_record.start <= b < my_record.end]
+    holes_opened = sum(1 for b in leaving if counts[b] == 0)
+    holes_filled = sum(1 for b in joining if counts[b] == 0)
+    if holes_filled != holes_opened:
+        return candidate if holes_filled > holes_opened else None
+    if holes_filled or own <= 0:
+        return None  # a hole for a hole, or no capacity to move: nothing gained
 
-    def weakest(span: tuple[int, int]) -> tuple[int, float]:
-        """(unserved blocks, weakest served block's throughput) of `affected` with me at span."""
-        holes = 0
-        served: list[float] = []
-        for block in affected:
-            mine = span[0] <= block < span[1]
-            if base_counts[block] == 0 and not mine:
-                holes += 1
-            else:
-                served.append(base_throughputs[block] + (my_record.throughput if mine else 0.0))
-        return holes, min(served, default=0.0)
-
-    holes_now, weakest_now = weakest(my_record.span)
-    holes_moved, weakest_moved = weakest(candidate)
-    if holes_moved != holes_now:
-        return candidate if holes_moved < holes_now else None
-    if weakest_now <= 0:
-        return candidate if weakest_moved > 0 else None
-    return candidate if weakest_moved > min_improvement * weakest_now else None
+    left = min(throughputs[b] for b in leaving)
+    joined = min(throughputs[b] for b in joining)
+    weakest_now = min(left + own, joined)
+    weakest_moved = min(left, joined + own)
+    if weakest_moved > min_improvement * weakest_now or left > min_improvement * weakest_moved:
+        return candidate
+    return None
 
 
 def should_move(

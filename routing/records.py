@@ -312,13 +312,13 @@ class SwarmSnapshot:
         self, *, states: Iterable[ServerState] = ROUTABLE_STATES
     ) -> tuple[float, ...]:
         """Per block, the summed throughput (tokens/s) of the servers in `states` holding it."""
-        return self._coverage(frozenset(states))[0]
+        return self.coverage(states=states)[0]
 
     def block_server_counts(
         self, *, states: Iterable[ServerState] = ROUTABLE_STATES
     ) -> tuple[int, ...]:
         """Per block, how many servers in `states` hold it."""
-        return self._coverage(frozenset(states))[1]
+        return self.coverage(states=states)[1]
 
     def uncovered_blocks(
         self, *, states: Iterable[ServerState] = ROUTABLE_STATES
@@ -327,9 +327,11 @@ class SwarmSnapshot:
         counts = self.block_server_counts(states=states)
         return tuple(block for block, count in enumerate(counts) if count == 0)
 
-    def _coverage(
-        self, states: frozenset[ServerState]
+    def coverage(
+        self, *, states: Iterable[ServerState] = ROUTABLE_STATES
     ) -> tuple[tuple[float, ...], tuple[int, ...]]:
+        """`block_throughputs` and `block_server_counts` together, in one pass over the records."""
+        states = frozenset(states)
         # Difference arrays: O(records + blocks), not O(records * span), since simulations ask
         # this once per joining server over thousands of records.
         throughput_delta = [0.0] * (self.num_blocks + 1)

@@ -191,6 +191,34 @@ def test_small_gains_are_not_worth_a_move() -> None:
     assert better_span(snap, me, min_improvement=1.05) == (10, 20)
 
 
+def test_a_small_server_leaves_a_clear_surplus_for_a_deficit() -> None:
+    me = make_record("me", 0, 10, throughput=1.0)
+
+    def swarm(middle: float) -> SwarmSnapshot:
+        return make_snapshot(
+            30,
+            make_record("a", 0, 10, throughput=100.0),
+            me,
+            make_record("b", 10, 20, throughput=middle),
+            make_record("c", 20, 30, throughput=100.0),
+        )
+
+    # Moving lifts blocks 10-19 only from 50 to 51, but blocks 0-9 keep 100, about twice that.
+    assert better_span(swarm(50.0), me) == (10, 20)
+    # 100 against 91 is no clear surplus, and 90 -> 91 no clear gain.
+    assert better_span(swarm(90.0), me) is None
+
+
+def test_a_server_that_has_not_measured_its_throughput_moves_only_to_fill_holes() -> None:
+    me = make_record("me", 0, 10, throughput=0.0)
+    lopsided = make_snapshot(
+        20, make_record("a", 0, 10, throughput=100.0), me, make_record("b", 10, 20, throughput=1.0)
+    )
+    assert better_span(lopsided, me) is None
+    holed = make_snapshot(20, make_record("a", 0, 10, throughput=100.0), me)
+    assert better_span(holed, me) == (10, 20)
+
+
 def test_uses_my_record_over_a_stale_one_in_the_snapshot() -> None:
     me_now = make_record("me", 0, 10)
     snap = make_snapshot(

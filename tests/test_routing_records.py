@@ -161,6 +161,7 @@ def test_snapshot_coverage_helpers() -> None:
     assert snap.block_throughputs() == (10.0, 10.0, 15.0, 15.0, 5.0, 5.0, 0.0, 0.0)
     assert snap.block_server_counts() == (1, 1, 2, 2, 1, 1, 0, 0)
     assert snap.uncovered_blocks() == (6, 7)
+    assert snap.coverage() == (snap.block_throughputs(), snap.block_server_counts())
     assert snap.block_throughputs(states=SELECTION_STATES)[5:] == (6.0, 1.0, 0.0)
     assert snap.uncovered_blocks(states=SELECTION_STATES) == (7,)
     with pytest.raises(ValueError, match="block 8 is outside smollm2-135m's blocks 0-7"):
