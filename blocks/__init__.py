@@ -1,0 +1,38 @@
+"""The model: families, selective weight loading, span execution with KV cache, client-side pieces
+(embeddings, final norm, LM head) and the default model."""
+
+from blocks.cache import MemoryCache, SpanSession
+from blocks.checkpoint import load_config, model_name, resolve_checkpoint
+from blocks.client_side import ClientSide, load_client_side
+from blocks.errors import (
+    BlocksError,
+    CacheFull,
+    ModelNotFoundError,
+    SessionOverflow,
+    UnsupportedModelError,
+)
+from blocks.families import FAMILIES, Family, family_of
+from blocks.span import Span, load_span
+from blocks.throughput import Throughput, measure_throughput
+
+__all__ = [
+    "FAMILIES",
+    "BlocksError",
+    "CacheFull",
+    "ClientSide",
+    "Family",
+    "MemoryCache",
+    "ModelNotFoundError",
+    "SessionOverflow",
+    "Span",
+    "SpanSession",
+    "Throughput",
+    "UnsupportedModelError",
+    "family_of",
+    "load_client_side",
+    "load_config",
+    "load_span",
+    "measure_throughput",
+    "model_name",
+    "resolve_checkpoint",
+]
