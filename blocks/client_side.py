@@ -1,0 +1,103 @@
+"""The client side of a model: token embeddings in, final norm and LM head out, and the tokenizer.
+Loads no decoder block."""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from blocks.checkpoint import CheckpointTensors, load_config, model_name, resolve_checkpoint
+from blocks.errors import ModelNotFoundError
+from blocks.families import Family, family_of, prepare_config
+
+
+class ClientSide(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        family: Family,
+        embeddings: nn.Embedding,
+        embed_norm: nn.Module | None,
+        final_norm: nn.Module,
+        lm_head: nn.Linear,
+        checkpoint: Path,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.family = family
+        self.embeddings = embeddings
+        self.embed_norm = embed_norm
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.checkpoint = checkpoint
+        self.model = model_name(checkpoint)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [batch, tokens] -> the hidden states block 0 takes."""
+        hidden = self.embeddings(input_ids.to(self.embeddings.weight.device))
+        return self.embed_norm(hidden) if self.embed_norm is not None else hidden
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the last block -> vocabulary logits (final norm, then LM head)."""
+        weight = self.lm_head.weight
+        return self.lm_head(self.final_norm(hidden_states.to(weight.device, weight.dtype)))
+
+    @cached_property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The checkpoint's tokenizer (with its chat template), loaded on first use."""
+        try:
+            return AutoTokenizer.from_pretrained(self.checkpoint, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise ModelNotFoundError(
+                f"{self.checkpoint} has no usable tokenizer ({e}); save one there with "
+                "tokenizer.save_pretrained(dir)"
+            ) from e
+
+
+def load_client_side(
+    checkpoint: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> ClientSide:
+    """Embeddings, final norm and LM head of `checkpoint`, reading none of the blocks' tensors.
+
+    With tied embeddings (config.tie_word_embeddings, or no lm_head tensor in the checkpoint) the
+    LM head shares the embedding matrix.
+    """
+    path = resolve_checkpoint(checkpoint)
+    config = load_config(path)
+    family = family_of(config)
+    prepare_config(config, family)
+    tensors = CheckpointTensors(path)
+    root = family.prefix(tensors.file_of)
+
+    def load(module: nn.Module, prefix: str) -> nn.Module:
+        names = tensors.names_with_prefix(prefix)
+        weights = tensors.read(names, dtype, device)
+        module.load_state_dict(
+            {name.removeprefix(prefix): t for name, t in weights.items()}, strict=True, assign=True
+        )
+        return module
+
+    with torch.device("meta"):
+        embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        final_norm = family.make_norm(config)
+        embed_norm = family.make_norm(config) if family.embed_norm else None
+        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    load(embeddings, f"{root}{family.embed}.")
+    load(final_norm, f"{root}{family.final_norm}.")
+    if embed_norm is not None:
+        load(embed_norm, f"{root}{family.embed_norm}.")
+    head_weight = f"{family.lm_head}.weight"
+    if getattr(config, "tie_word_embeddings", False) or head_weight not in tensors:
+        lm_head.weight = embeddings.weight
+    else:
+        load(lm_head, f"{family.lm_head}.")
+    client = ClientSide(config, family, embeddings, embed_norm, final_norm, lm_head, path)
+    client.eval()
+    client.requires_grad_(False)
+    return client

@@ -1,0 +1,154 @@
+"""A span: decoder blocks start..end-1 of a model, loaded alone from the checkpoint and run with a
+per-session KV cache (inference) or without one (training-style full passes, autograd-friendly)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from blocks.cache import SpanSession
+from blocks.checkpoint import CheckpointTensors, load_config, model_name, resolve_checkpoint
+from blocks.families import Family, family_of, prepare_config
+
+# Prompts longer than this go through the span in pieces, so activation memory stays bounded.
+PREFILL_CHUNK_TOKENS = 512
+
+
+class Span(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        family: Family,
+        start: int,
+        layers: list[nn.Module],
+        rotary: nn.Module | None,
+        model: str,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.family = family
+        self.start = start
+        self.end = start + len(layers)
+        self.model = model  # model_name() of the checkpoint, for DHT keys and probe caches
+        self.layers = nn.ModuleList(layers)
+        self.rotary = rotary
+        self.chunk_tokens = PREFILL_CHUNK_TOKENS
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.start
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Cache bytes one token of one sequence takes in this span (keys and values, all blocks),
+        to turn a memory budget into MemoryCache tokens."""
+        width = self.family.kv_width(self.config)
+        return 2 * self.num_blocks * width * torch.finfo(self.dtype).bits // 8
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+    def forward(
+        self, hidden_states: torch.Tensor, session: SpanSession | None = None
+    ) -> torch.Tensor:
+        """hidden_states [batch, tokens, hidden] -> the same after this span's blocks.
+
+        With a session, the tokens continue its sequence at session.position and their keys and
+        values are cached (no autograd); without one they are a whole sequence from position 0,
+        and gradients flow back to hidden_states.
+        """
+        hidden_states = hidden_states.to(device=self.device, dtype=self.dtype)
+        if session is None:
+            return self._run_blocks(hidden_states, None, past_length=0)
+        batch_size, new_tokens = hidden_states.shape[:2]
+        if batch_size != session.batch_size:
+            raise ValueError(
+                f"hidden_states hold {batch_size} sequences; the session was opened for "
+                f"{session.batch_size}"
+            )
+        span_key = (id(self), self.start, self.end)
+        kv = session.acquire(span_key, self.start, self.num_blocks, new_tokens)
+        try:
+            outputs = []
+            with torch.no_grad():
+                for chunk in hidden_states.split(self.chunk_tokens, dim=1):
+                    outputs.append(self._run_blocks(chunk, kv, past_length=kv.length))
+                    kv.length += chunk.shape[1]
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        finally:
+            session.release()
+
+    def _run_blocks(
+        self, hidden: torch.Tensor, kv: object | None, past_length: int
+    ) -> torch.Tensor:
+        inputs = self.family.layer_inputs(self.config, self.rotary, hidden, past_length)
+        inputs[self.family.cache_kwarg] = kv
+        for layer in self.layers:
+            output = layer(hidden, **inputs)
+            # Llama-style layers return the hidden states; bloom/falcon (hidden, attentions).
+            hidden = output[0] if isinstance(output, tuple) else output
+        return hidden
+
+    def extra_repr(self) -> str:
+        return f"model={self.model!r}, blocks={self.start}:{self.end}, family={self.family.name}"
+
+
+def load_span(
+    checkpoint: str | Path,
+    start: int,
+    end: int,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> Span:
+    """Blocks start..end-1 of `checkpoint` ("default" or a directory), reading only their tensors.
+
+    Layers are built on the meta device and take the tensors read from safetensors as they are
+    (assign=True), so memory grows by the span's weights and nothing else.
+    """
+    path = resolve_checkpoint(checkpoint)
+    config = load_config(path)
+    family = family_of(config)
+    prepare_config(config, family)
+    num_layers = config.num_hidden_layers
+    if not 0 <= start < end <= num_layers:
+        raise ValueError(
+            f"blocks {start}:{end} are not a span of {model_name(path)}, which has blocks "
+            f"0:{num_layers}; give 0 <= start < end <= {num_layers}"
+        )
+    tensors = CheckpointTensors(path)
+    layers = []
+    for index in range(start, end):
+        with torch.device("meta"):
+            layer = family.layer_class(config, layer_idx=index)
+        prefix = family.block_prefix(tensors.file_of, index)
+        weights = tensors.read(tensors.names_with_prefix(prefix), dtype, device)
+        weights = {name.removeprefix(prefix): tensor for name, tensor in weights.items()}
+        layer.load_state_dict(family.convert_block(weights, config), strict=True, assign=True)
+        _check_materialized(layer, f"block {index}")
+        layers.append(layer)
+    rotary = family.make_rotary(config)
+    if rotary is not None:
+        rotary = rotary.to(device)
+    span = Span(config, family, start, layers, rotary, model_name(path))
+    span.eval()  # no dropout
+    # Servers never train the weights; gradients still reach the input hidden states.
+    span.requires_grad_(False)
+    return span
+
+
+def _check_materialized(module: nn.Module, what: str) -> None:
+    left = [n for n, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"{what}: the checkpoint gave no values for {', '.join(left)}")

@@ -1,0 +1,449 @@
+"""blocks/ on tiny random models of every family, saved to disk so the loading path runs: spans
+chained with KV caches must reproduce transformers' own forward and greedy generate."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import (
+    AutoModelForCausalLM,
+    BloomConfig,
+    FalconConfig,
+    GPT2Config,
+    LlamaConfig,
+    MixtralConfig,
+    PretrainedConfig,
+)
+
+import blocks
+from blocks import checkpoint as checkpoint_module
+from blocks.default_model import convert_once
+
+VOCAB = 96
+# Large initial weights and untied heads keep these random models from repeating one token.
+SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "num_attention_heads": 4, "initializer_range": 0.5}
+UNTIED = {**SMALL, "tie_word_embeddings": False}
+TINY_CONFIGS: dict[str, PretrainedConfig] = {
+    "llama": LlamaConfig(
+        **UNTIED, num_hidden_layers=6, num_key_value_heads=2, intermediate_size=64
+    ),
+    "bloom": BloomConfig(**UNTIED, n_layer=4),
+    # Falcon-7B-like: rotary, multi-query, parallel attention.
+    "falcon": FalconConfig(**UNTIED, num_hidden_layers=4),
+    # Falcon-RW-like: ALiBi, separate heads, sequential attention, biases.
+    "falcon-alibi": FalconConfig(
+        **UNTIED,
+        num_hidden_layers=4,
+        alibi=True,
+        multi_query=False,
+        parallel_attn=False,
+        bias=True,
+    ),
+    # Falcon-40B-like: grouped KV heads, two layer norms; LM head tied to the embeddings.
+    "falcon-new": FalconConfig(
+        **SMALL, num_hidden_layers=4, new_decoder_architecture=True, num_kv_heads=2
+    ),
+    "mixtral": MixtralConfig(
+        **SMALL,
+        num_hidden_layers=4,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=16,  # shorter than the sequences below, so the window matters
+    ),
+}
+FAMILY_OF_CONFIG = {"falcon-alibi": "falcon", "falcon-new": "falcon"}
+
+
+def _save_tiny(name: str, directory: Path, **save_kwargs: object) -> Path:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name])
+    model.save_pretrained(directory, **save_kwargs)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {name: _save_tiny(name, root / name) for name in TINY_CONFIGS}
+
+
+def _reference(path: Path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _spans(path: Path, num_layers: int, size: int = 2) -> list[blocks.Span]:
+    starts = range(0, num_layers, size)
+    return [blocks.load_span(path, i, min(i + size, num_layers)) for i in starts]
+
+
+def _through(spans: list[blocks.Span], hidden: torch.Tensor, sessions: list) -> torch.Tensor:
+    for span, session in zip(spans, sessions, strict=True):
+        hidden = span(hidden, session)
+    return hidden
+
+
+def _generate(reference: torch.nn.Module, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """transformers' greedy generate, not stopping at EOS (min_new_tokens would ban EOS instead)."""
+    out = reference.generate(
+        prompt, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert out.shape[1] == prompt.shape[1] + new_tokens
+    return out[:, prompt.shape[1] :]
+
+
+def _greedy(
+    client: blocks.ClientSide,
+    spans: list[blocks.Span],
+    sessions: list,
+    prompt: torch.Tensor,
+    new_tokens: int,
+) -> torch.Tensor:
+    """Greedy decoding through spans with KV caches: prefill the prompt, then a token a step."""
+    logits = client.logits(_through(spans, client.embed(prompt), sessions))
+    generated = []
+    for _ in range(new_tokens):
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        generated.append(token)
+        logits = client.logits(_through(spans, client.embed(token), sessions))
+    return torch.cat(generated, dim=1)
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_span_chain_with_cache_matches_full_forward(tiny: dict[str, Path], name: str) -> None:
+    path = tiny[name]
+    reference = _reference(path)
+    client = blocks.load_client_side(path)
+    spans = _spans(path, reference.config.num_hidden_layers)
+    assert client.family.name == FAMILY_OF_CONFIG.get(name, name)
+    assert [(s.start, s.end) for s in spans][:2] == [(0, 2), (2, 4)]
+    spans[1].chunk_tokens = 3  # a long prompt goes through this span in several pieces
+    cache = blocks.MemoryCache(budget_tokens=10_000)
+    sessions = [cache.open_session(1, 64) for _ in spans]
+    torch.manual_seed(1)
+    ids = torch.randint(0, VOCAB, (1, 30))
+
+    with torch.no_grad():
+        want = reference(ids).logits
+        # Cache-less full pass.
+        hidden = client.embed(ids)
+        for span in spans:
+            hidden = span(hidden)
+        torch.testing.assert_close(client.logits(hidden), want, atol=1e-4, rtol=0)
+        # Prefill 22 tokens, then decode one at a time.
+        got = [client.logits(_through(spans, client.embed(ids[:, :22]), sessions))]
+        for t in range(22, 30):
+            got.append(client.logits(_through(spans, client.embed(ids[:, t : t + 1]), sessions)))
+    torch.testing.assert_close(torch.cat(got, dim=1), want, atol=1e-4, rtol=0)
+    assert all(s.position == 30 for s in sessions)
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_greedy_generation_through_spans_equals_generate(tiny: dict[str, Path], name: str) -> None:
+    path = tiny[name]
+    reference = _reference(path)
+    client = blocks.load_client_side(path)
+    spans = _spans(path, reference.config.num_hidden_layers)
+    cache = blocks.MemoryCache(budget_tokens=10_000)
+    sessions = [cache.open_session(1, 40) for _ in spans]
+    prompt = torch.tensor([[3, 14, 15, 92, 65, 35, 8]])
+    with torch.no_grad():
+        ours = _greedy(client, spans, sessions, prompt, 20)
+    theirs = _generate(reference, prompt, 20)
+    assert ours.tolist() == theirs.tolist()
+    assert len(set(ours[0].tolist())) >= 3, "the tiny model should not be degenerate"
+
+
+@pytest.mark.parametrize("name", ["llama", "bloom", "falcon-alibi"])
+def test_rollback_then_new_turn_matches_full_forward(tiny: dict[str, Path], name: str) -> None:
+    path = tiny[name]
+    reference = _reference(path)
+    client = blocks.load_client_side(path)
+    spans = _spans(path, reference.config.num_hidden_layers, size=3)
+    cache = blocks.MemoryCache(budget_tokens=1_000)
+    sessions = [cache.open_session(1, 48) for _ in spans]
+    torch.manual_seed(2)
+    first_turn, second_turn = torch.randint(0, VOCAB, (1, 9)), torch.randint(0, VOCAB, (1, 6))
+    with torch.no_grad():
+        _through(spans, client.embed(first_turn), sessions)
+        # Decode three tokens, then take back the last two (as a client regenerating would).
+        for token in (5, 6, 7):
+            _through(spans, client.embed(torch.tensor([[token]])), sessions)
+        for session in sessions:
+            session.rollback(10)
+        # A new chat turn continues after the kept token.
+        got = client.logits(_through(spans, client.embed(second_turn), sessions))
+        sequence = torch.cat([first_turn, torch.tensor([[5]]), second_turn], dim=1)
+        hidden = client.embed(sequence)
+        for span in spans:
+            hidden = span(hidden)
+        want = reference(sequence).logits[:, -6:]
+    # The same blocks without cache over the kept sequence, and transformers' own model.
+    torch.testing.assert_close(got, client.logits(hidden)[:, -6:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert all(s.position == 16 for s in sessions)
+
+
+def test_batched_session_matches_one_sequence_at_a_time(tiny: dict[str, Path]) -> None:
+    path = tiny["llama"]
+    span = blocks.load_span(path, 0, 3)
+    cache = blocks.MemoryCache(budget_tokens=1_000)
+    torch.manual_seed(3)
+    hidden = torch.randn(2, 8, 32)
+    with torch.no_grad(), cache.open_session(2, 16) as both:
+        together = torch.cat([span(hidden[:, :5], both), span(hidden[:, 5:], both)], dim=1)
+    for row in range(2):
+        with torch.no_grad(), cache.open_session(1, 16) as one:
+            alone = span(hidden[row : row + 1], one)
+        torch.testing.assert_close(together[row : row + 1], alone, atol=1e-4, rtol=0)
+    assert cache.used_tokens == 0
+
+
+def test_backward_through_a_span_reaches_the_input_hidden_states(tiny: dict[str, Path]) -> None:
+    span = blocks.load_span(tiny["llama"], 2, 4)
+    hidden = torch.randn(1, 6, 32, requires_grad=True)
+    span(hidden).square().sum().backward()
+    assert hidden.grad is not None and hidden.grad.abs().sum() > 0
+    assert all(p.grad is None and not p.requires_grad for p in span.parameters())
+
+
+def test_cache_budget_third_session_fails_and_the_first_two_carry_on(
+    tiny: dict[str, Path],
+) -> None:
+    path = tiny["llama"]
+    reference = _reference(path)
+    client = blocks.load_client_side(path)
+    span = blocks.load_span(path, 0, 6)
+    cache = blocks.MemoryCache(budget_tokens=80)
+    first, second = cache.open_session(1, 30), cache.open_session(1, 30)
+    prompts = torch.tensor([[3, 14, 15, 92]]), torch.tensor([[27, 18, 28]])
+    with torch.no_grad():
+        ours_first = _greedy(client, [span], [first], prompts[0], 5)
+        with pytest.raises(blocks.CacheFull) as failure:
+            cache.open_session(1, 30)
+        assert failure.value.free_tokens == 20 and failure.value.requested_tokens == 30
+        assert "20 of 80 tokens free" in str(failure.value)
+        assert cache.num_sessions == 2 and cache.free_tokens == 20
+        ours_second = _greedy(client, [span], [second], prompts[1], 5)
+        ours_first_more = _greedy(client, [span], [first], torch.tensor([[7]]), 5)
+    assert ours_first.tolist() == _generate(reference, prompts[0], 5).tolist()
+    assert ours_second.tolist() == _generate(reference, prompts[1], 5).tolist()
+    # The first session kept its context through all this: prompt, 5 generated tokens, then 7.
+    continued = torch.cat([prompts[0], ours_first, torch.tensor([[7]])], dim=1)
+    assert ours_first_more.tolist() == _generate(reference, continued, 5).tolist()
+    first.close()
+    assert cache.free_tokens == 50
+    with cache.open_session(1, 50):
+        assert cache.free_tokens == 0
+    second.close()
+    assert cache.free_tokens == 80 and cache.num_sessions == 0
+
+
+def test_session_limits_are_typed_errors(tiny: dict[str, Path]) -> None:
+    path = tiny["llama"]
+    span, other = blocks.load_span(path, 0, 2), blocks.load_span(path, 2, 4)
+    cache = blocks.MemoryCache(budget_tokens=100)
+    session = cache.open_session(1, 8)
+    span(torch.randn(1, 6, 32), session)
+    with pytest.raises(blocks.SessionOverflow, match="holds 6 of its max_length 8"):
+        span(torch.randn(1, 3, 32), session)
+    assert session.position == 6
+    with pytest.raises(blocks.BlocksError, match="one span"):
+        other(torch.randn(1, 1, 32), session)
+    with pytest.raises(ValueError, match="2 sequences"):
+        span(torch.randn(2, 1, 32), session)
+    with pytest.raises(ValueError, match="roll back to position 7"):
+        session.rollback(7)
+    session.rollback(0)
+    span(torch.randn(1, 8, 32), session)
+    session.close()
+    with pytest.raises(blocks.BlocksError, match="closed"):
+        span(torch.randn(1, 1, 32), session)
+    with pytest.raises(blocks.CacheFull):
+        blocks.MemoryCache(budget_tokens=10).open_session(2, 6)
+
+
+def test_memory_cache_accounting_is_thread_safe() -> None:
+    cache = blocks.MemoryCache(budget_tokens=1_000)
+    opened: list[blocks.SpanSession] = []
+    refused = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(50):
+            try:
+                session = cache.open_session(1, 7)
+            except blocks.CacheFull:
+                with lock:
+                    refused.append(1)
+                continue
+            with lock:
+                opened.append(session)
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(opened) == 1_000 // 7 and cache.used_tokens == 7 * len(opened)
+    assert len(refused) == 8 * 50 - len(opened)
+    for session in opened:
+        session.close()
+    assert cache.used_tokens == 0
+
+
+def test_sharded_checkpoint_loads_the_same(tiny: dict[str, Path], tmp_path: Path) -> None:
+    sharded = _save_tiny("llama", tmp_path / "sharded", max_shard_size="30KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    hidden = torch.randn(1, 5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            blocks.load_span(sharded, 1, 4)(hidden), blocks.load_span(tiny["llama"], 1, 4)(hidden)
+        )
+        ids = torch.tensor([[1, 2, 3]])
+        torch.testing.assert_close(
+            blocks.load_client_side(sharded).logits(blocks.load_client_side(sharded).embed(ids)),
+            blocks.load_client_side(tiny["llama"]).logits(
+                blocks.load_client_side(tiny["llama"]).embed(ids)
+            ),
+        )
+
+
+class _RecordingSafeOpen:
+    """safe_open that records every tensor read through it."""
+
+    def __init__(self, read: list[str]) -> None:
+        self.read = read
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        recorder = self
+
+        class Handle:
+            def __enter__(self) -> Handle:
+                self.inner = safe_open(*args, **kwargs)  # type: ignore[arg-type]
+                self.file = self.inner.__enter__()
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                self.inner.__exit__(*exc)
+
+            def keys(self) -> list[str]:
+                return list(self.file.keys())
+
+            def get_tensor(self, name: str) -> torch.Tensor:
+                recorder.read.append(name)
+                return self.file.get_tensor(name)
+
+        return Handle()
+
+
+def test_loading_reads_only_the_tensors_it_needs(
+    tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    read: list[str] = []
+    monkeypatch.setattr(checkpoint_module, "safe_open", _RecordingSafeOpen(read))
+    blocks.load_span(tiny["llama"], 2, 4)
+    assert read and all(n.startswith(("model.layers.2.", "model.layers.3.")) for n in read)
+    read.clear()
+    blocks.load_client_side(tiny["llama"])
+    assert sorted(read) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+    read.clear()
+    blocks.load_client_side(tiny["bloom"])  # a layer norm right after the embedding
+    assert sorted(read) == [
+        "lm_head.weight",
+        "transformer.ln_f.bias",
+        "transformer.ln_f.weight",
+        "transformer.word_embeddings.weight",
+        "transformer.word_embeddings_layernorm.bias",
+        "transformer.word_embeddings_layernorm.weight",
+    ]
+    read.clear()
+    client = blocks.load_client_side(tiny["falcon-new"])  # LM head tied to the embeddings
+    assert "lm_head.weight" not in read and not any(".h." in name for name in read)
+    assert client.lm_head.weight is client.embeddings.weight
+
+
+def test_unsupported_model_names_the_supported_families(tmp_path: Path) -> None:
+    GPT2Config(n_layer=2, n_embd=16, n_head=2).save_pretrained(tmp_path)
+    save_file({"h.0.attn.c_attn.weight": torch.zeros(2, 2)}, tmp_path / "model.safetensors")
+    with pytest.raises(blocks.UnsupportedModelError) as failure:
+        blocks.load_span(tmp_path, 0, 1)
+    for family in ("llama", "bloom", "falcon", "mixtral"):
+        assert family in str(failure.value)
+    assert "'gpt2'" in str(failure.value)
+
+
+def test_checkpoint_resolution_and_names(tiny: dict[str, Path], tmp_path: Path) -> None:
+    assert blocks.resolve_checkpoint(tiny["llama"]) == tiny["llama"].resolve()
+    assert blocks.resolve_checkpoint(str(tiny["llama"])) == tiny["llama"].resolve()
+    with pytest.raises(blocks.ModelNotFoundError, match="never downloads"):
+        blocks.resolve_checkpoint("meta-llama/Llama-2-7b-hf")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(blocks.ModelNotFoundError, match=r"lacks config\.json"):
+        blocks.resolve_checkpoint(tmp_path / "empty")
+    with pytest.raises(ValueError, match="blocks 3:9 are not a span"):
+        blocks.load_span(tiny["llama"], 3, 9)
+    assert blocks.model_name(tiny["falcon-alibi"]) == "falcon-alibi"
+    assert blocks.model_name("default") == "smollm2-135m-instruct"
+    snapshot = tmp_path / "models--bigscience--Bloom-560M" / "snapshots" / "0123abc"
+    snapshot.mkdir(parents=True)
+    assert blocks.model_name(snapshot) == "bigscience-bloom-560m"
+    config = blocks.load_config(tiny["mixtral"])
+    assert config.model_type == "mixtral" and config.num_hidden_layers == 4
+    span = blocks.load_span(tiny["llama"], 1, 3)
+    assert (span.start, span.end, span.num_blocks, span.model) == (1, 3, 2, "llama")
+    # 2 blocks x (keys + values) x 2 KV heads x head_dim 8 x 4 bytes
+    assert span.kv_bytes_per_token == 2 * 2 * 2 * 8 * 4
+
+
+def test_conversion_runs_once_across_racing_converters(tmp_path: Path) -> None:
+    target = tmp_path / "models" / "converted"
+    calls = []
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / ".converted.tmp-stale").mkdir()  # left by a converter that died
+
+    def slow_convert(out: Path) -> None:
+        calls.append(out)
+        time.sleep(0.3)
+        (out / "config.json").write_text("{}")
+
+    results: list[Path] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(convert_once(target, slow_convert)))
+        for _ in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and results == [target] * 3
+    assert (target / "config.json").read_text() == "{}"
+    assert sorted(p.name for p in target.parent.iterdir()) == [".converted.lock", "converted"]
+
+    def broken_convert(out: Path) -> None:
+        (out / "half-written").write_text("x")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        convert_once(tmp_path / "models" / "other", broken_convert)
+    assert not (tmp_path / "models" / "other").exists()
+    assert not list((tmp_path / "models").glob(".other.tmp-*"))
+
+
+def test_throughput_is_measured_once_and_then_read_from_disk(
+    tiny: dict[str, Path], tmp_path: Path
+) -> None:
+    span = blocks.load_span(tiny["llama"], 0, 2)
+    first = blocks.measure_throughput(span, cache_dir=tmp_path)
+    assert first.decode_tps > 0 and first.prefill_tps > 0
+    (record,) = tmp_path.glob("*.json")
+    assert record.name == "llama_span_0-2_cpu_torch.float32.json"
+    assert blocks.measure_throughput(span, cache_dir=tmp_path) == first
+    assert blocks.measure_throughput(span, cache_dir=tmp_path, use_disk_cache=False) != first
