@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
 
 from routing.records import SELECTION_STATES, ServerRecord, SwarmSnapshot
 
@@ -34,61 +33,41 @@ DEFAULT_RECHECK_PERIOD_S = 120.0
 DEFAULT_RECHECK_JITTER = 0.5
 
 
-def best_window(
-    block_throughputs: Sequence[float],
-    block_server_counts: Sequence[int],
-    num_blocks_to_serve: int,
-    own_throughput: float,
-) -> tuple[int, int]:
-    """The span (start, end) to serve, given the swarm's per-block capacity and server counts.
-
-    This is `choose_blocks` over plain sequences, for callers (and simulations) that keep the
-    per-block numbers up to date themselves. A request for more blocks than the model has gets
-    the whole model.
-    """
-    num_blocks = len(block_throughputs)
-    if num_blocks == 0 or len(block_server_counts) != num_blocks:
-        raise ValueError(
-            "block_throughputs and block_server_counts must have one entry per block, "
-            f"got {num_blocks} and {len(block_server_counts)}"
-        )
-    if num_blocks_to_serve < 1:
-        raise ValueError(f"num_blocks_to_serve must be >= 1, got {num_blocks_to_serve}")
-    if not (math.isfinite(own_throughput) and own_throughput >= 0):
-        raise ValueError(f"own_throughput must be finite and >= 0, got {own_throughput!r}")
-    width = min(num_blocks_to_serve, num_blocks)
-
-    # Bottleneck outside each window, from prefix and suffix minima: O(blocks) for all windows.
-    prefix_min = [math.inf] * (num_blocks + 1)
-    for block in range(num_blocks):
-        prefix_min[block + 1] = min(prefix_min[block], block_throughputs[block])
-    suffix_min = [math.inf] * (num_blocks + 1)
-    for block in range(num_blocks - 1, -1, -1):
-        suffix_min[block] = min(suffix_min[block + 1], block_throughputs[block])
-
-    best_key: tuple[int, float, list[float], int] | None = None
-    for start in range(num_blocks - width + 1):
-        end = start + width
-        window = sorted(block_throughputs[start:end])
-        holes = sum(1 for count in block_server_counts[start:end] if count == 0)
-        bottleneck_after = min(prefix_min[start], suffix_min[end], window[0] + own_throughput)
-        key = (-holes, -bottleneck_after, window, start)
-        if best_key is None or key < best_key:
-            best_key = key
-    assert best_key is not None  # width <= num_blocks, so the loop ran at least once
-    start = best_key[3]
-    return (start, start + width)
-
-
 def choose_blocks(
     snapshot: SwarmSnapshot, num_blocks_to_serve: int, own_throughput: float
 ) -> tuple[int, int]:
     """The span (start, end) a server with `own_throughput` tokens/s should serve.
 
     Joining servers count as holding their span (see `SELECTION_STATES`); draining ones do not.
+    A request for more blocks than the model has gets the whole model.
     """
+    if num_blocks_to_serve < 1:
+        raise ValueError(f"num_blocks_to_serve must be >= 1, got {num_blocks_to_serve}")
+    if not (math.isfinite(own_throughput) and own_throughput >= 0):
+        raise ValueError(f"own_throughput must be finite and >= 0, got {own_throughput!r}")
     throughputs, counts = snapshot.coverage(states=SELECTION_STATES)
-    return best_window(throughputs, counts, num_blocks_to_serve, own_throughput)
+    num_blocks = snapshot.num_blocks
+    width = min(num_blocks_to_serve, num_blocks)
+
+    # Bottleneck outside each window, from prefix and suffix minima: O(blocks) for all windows.
+    prefix_min = [math.inf] * (num_blocks + 1)
+    for block in range(num_blocks):
+        prefix_min[block + 1] = min(prefix_min[block], throughputs[block])
+    suffix_min = [math.inf] * (num_blocks + 1)
+    for block in range(num_blocks - 1, -1, -1):
+        suffix_min[block] = min(suffix_min[block + 1], throughputs[block])
+
+    def weakness(start: int) -> tuple[int, float, list[float]]:
+        """Smaller is weaker, i.e. a better place to serve (see the module docstring)."""
+        end = start + width
+        window = sorted(throughputs[start:end])
+        holes = sum(1 for count in counts[start:end] if count == 0)
+        bottleneck_after = min(prefix_min[start], suffix_min[end], window[0] + own_throughput)
+        return (-holes, -bottleneck_after, window)
+
+    # min() keeps the first of equal keys: the lowest start wins ties.
+    start = min(range(num_blocks - width + 1), key=weakness)
+    return (start, start + width)
 
 
 def better_span(

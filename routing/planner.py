@@ -196,16 +196,13 @@ def plan_route(
             by_block[block - start].append(record)
     missing = contiguous_ranges(start + i for i, servers in enumerate(by_block) if not servers)
     if missing:
-        relevant = {
-            r.peer_id
-            for r in snapshot.records
-            if any(r.start < b and a < r.end for a, b in missing)
-        }
-        raise NoRouteError(
-            snapshot.model,
-            missing,
-            {peer: why for peer, why in skipped.items() if peer in relevant},
-        )
+
+        def holds_missing(peer_id: str) -> bool:
+            r = snapshot.by_peer[peer_id]
+            return any(r.start < b and a < r.end for a, b in missing)
+
+        reasons = {peer: why for peer, why in skipped.items() if holds_missing(peer)}
+        raise NoRouteError(snapshot.model, missing, reasons)
 
     if mode == "training":
         return _spread_route(by_block, start, end, rng or random.Random())
@@ -280,7 +277,7 @@ def _skip_reason(
 ) -> str | None:
     """Why a route must not use `record`'s server, in words for NoRouteError; None if usable."""
     if record.state not in ROUTABLE_STATES:
-        return str(record.state.value)
+        return record.state.value
     if now is not None and record.is_expired(now):
         return "expired"
     if record.peer_id in blocked:

@@ -9,7 +9,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from routing.block_selection import (
-    best_window,
     better_span,
     blocks_that_fit,
     choose_blocks,
@@ -114,11 +113,6 @@ def test_asking_for_more_blocks_than_the_model_has_gets_the_whole_model() -> Non
 def test_choose_blocks_rejects_bad_arguments(n: int, own: float, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         choose_blocks(make_snapshot(8), n, own)
-
-
-def test_best_window_checks_lengths() -> None:
-    with pytest.raises(ValueError, match="one entry per block"):
-        best_window([1.0, 2.0], [1], 1, 1.0)
 
 
 def _holes(snap: SwarmSnapshot, span: tuple[int, int]) -> int:
