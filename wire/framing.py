@@ -1,0 +1,188 @@
+"""Length-prefixed frames: `encode_frame(map) -> bytes` and an incremental `FrameDecoder`.
+
+A frame is a 4-byte big-endian body length followed by that many bytes of msgpack holding one map
+(docs/wire.md#frames). The decoder is sans-IO in the h11 manner: feed it whatever bytes arrived,
+in any chunking, with `receive_data`, then take complete frames with `next_frame` until it returns
+None; `receive_data(b"")` says the stream ended. The length is checked against the limit as soon
+as its 4 bytes are in, before any buffer for the body exists.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from wire.errors import FrameTooLarge, MalformedFrame, ProtocolError
+from wire.packing import byte_view, pack_parts, unpack
+
+HEADER = struct.Struct(">I")
+HEADER_SIZE = HEADER.size
+
+DEFAULT_MAX_FRAME_SIZE = 256 << 20
+"""Largest frame body accepted by default (256 MiB). The biggest peerd message is a Backward
+carrying two fp32 tensors for a full 8192-token prefill at hidden size 4096 (128 MiB each);
+anything larger should be split into several steps by its sender. Each side may configure its own
+limit; memory a peer can make us commit is bounded by it."""
+
+SMALL_FRAME = 1 << 20
+"""Frames below this are assembled in ordinary bytes objects; larger ones in numpy buffers, which
+the kernel backs with huge pages (half the cost of first-touching 4 KiB pages at these sizes)."""
+
+
+def encode_frame(
+    obj: dict[str, Any], *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+) -> memoryview:
+    """One frame carrying the map `obj`, as a read-only bytes-like memoryview.
+
+    Pass it to a stream's write/send_all as is, or `bytes(frame)` for a bytes object. Raises
+    FrameTooLarge if the body is over `max_frame_size` (the peer would refuse it), TypeError or
+    ValueError for a value msgpack cannot carry.
+    """
+    if not isinstance(obj, dict):
+        raise TypeError(f"a frame carries a map, got {type(obj).__name__}")
+    parts = pack_parts(obj)
+    size = sum(len(part) for part in parts)
+    if size > max_frame_size:
+        raise FrameTooLarge(size, max_frame_size, sending=True)
+    if size < SMALL_FRAME:
+        return memoryview(b"".join([HEADER.pack(size), *parts]))
+    out = np.empty(HEADER_SIZE + size, np.uint8).data
+    HEADER.pack_into(out, 0, size)
+    pos = HEADER_SIZE
+    for part in parts:
+        out[pos : pos + len(part)] = part
+        pos += len(part)
+    return out.toreadonly()
+
+
+def decode_frame(
+    frame: bytes | bytearray | memoryview, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+) -> dict[str, Any]:
+    """The map in `frame`, which must be exactly one complete frame. Raises ProtocolError."""
+    decoder = FrameDecoder(max_frame_size=max_frame_size)
+    decoder.receive_data(frame)
+    decoder.receive_data(b"")
+    obj = decoder.next_frame()
+    if obj is None:
+        raise MalformedFrame("expected one frame, got an empty stream")
+    if decoder.next_frame() is not None:
+        raise MalformedFrame("expected one frame, got several")
+    return obj
+
+
+class FrameDecoder:
+    """Incremental frame decoder: bytes in (any chunking), msgpack maps out.
+
+    After a ProtocolError the stream is unusable (its framing can no longer be trusted): every later
+    `next_frame` raises the same error, after the frames completed before it.
+    """
+
+    def __init__(self, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE) -> None:
+        if not 0 < max_frame_size < 1 << 32:
+            raise ValueError("max_frame_size must be between 1 and 2**32 - 1 bytes")
+        self.max_frame_size = max_frame_size
+        self._header = bytearray()
+        self._body: memoryview | None = None  # the frame being filled, allocated at its full size
+        self._filled = 0
+        self._complete: deque[memoryview] = deque()
+        self._error: ProtocolError | None = None
+        self._ended = False
+
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
+        """Take bytes from the stream; `b""` means the stream ended (no more data may follow).
+
+        The bytes are copied into buffers the decoder owns, so the caller may reuse `data`.
+        """
+        if self._ended:
+            raise RuntimeError("receive_data called after the end of the stream (b'')")
+        view = byte_view(data)
+        if not view:
+            self._ended = True
+            return
+        pos = 0
+        while pos < len(view) and self._error is None:
+            if self._body is None:
+                take = min(HEADER_SIZE - len(self._header), len(view) - pos)
+                self._header += view[pos : pos + take]
+                pos += take
+                if len(self._header) == HEADER_SIZE:
+                    self._start_body(HEADER.unpack(self._header)[0])
+                    self._header.clear()
+            else:
+                take = min(len(self._body) - self._filled, len(view) - pos)
+                self._body[self._filled : self._filled + take] = view[pos : pos + take]
+                self._filled += take
+                pos += take
+                if self._filled == len(self._body):
+                    self._complete.append(self._body)
+                    self._body = None
+
+    def _start_body(self, size: int) -> None:
+        if size > self.max_frame_size:
+            self._error = FrameTooLarge(size, self.max_frame_size)
+        elif size == 0:
+            self._error = MalformedFrame("frame of length 0: every frame carries one msgpack map")
+        else:
+            # Allocated only now, after the length passed the limit. numpy leaves the pages
+            # untouched until data arrives, so a peer that announces a big frame and stalls costs
+            # address space, not memory.
+            if size < SMALL_FRAME:
+                self._body = memoryview(bytearray(size))
+            else:
+                self._body = np.empty(size, np.uint8).data
+            self._filled = 0
+
+    def next_frame(self) -> dict[str, Any] | None:
+        """The next complete frame's map, or None until more data arrives. Raises ProtocolError."""
+        if self._complete:
+            body = self._complete.popleft()
+            try:
+                obj = unpack(body)
+            except ProtocolError as error:
+                self._fail(error)
+                raise
+            if not isinstance(obj, dict):
+                not_a_map = MalformedFrame(
+                    f"a frame carries a msgpack map, this one carries a {type(obj).__name__}"
+                )
+                self._fail(not_a_map)
+                raise not_a_map
+            return obj
+        if self._error is not None:
+            raise self._error
+        if self._ended and (self._header or self._body is not None):
+            got = len(self._header) if self._body is None else HEADER_SIZE + self._filled
+            need = HEADER_SIZE if self._body is None else HEADER_SIZE + len(self._body)
+            truncated = MalformedFrame(
+                f"stream ended inside a frame: got {got} of its {need} bytes (peer closed early "
+                "or the connection dropped)"
+            )
+            self._fail(truncated)
+            raise truncated
+        return None
+
+    def _fail(self, error: ProtocolError) -> None:
+        self._error = error
+        self._complete.clear()
+        self._body = None
+        self._header.clear()
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        """Every complete frame available now."""
+        while (obj := self.next_frame()) is not None:
+            yield obj
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received but not yet returned as frames (for flow-control decisions)."""
+        pending = sum(len(body) for body in self._complete)
+        return pending + len(self._header) + (self._filled if self._body is not None else 0)
+
+    @property
+    def ended(self) -> bool:
+        """True once `receive_data(b"")` was called."""
+        return self._ended

@@ -1,0 +1,95 @@
+"""Messages between a local client (`peerd chat`, the client library, the gateway) and the daemon.
+
+They travel over the daemon's Unix socket in the same frames as the peer protocol
+(docs/wire.md#local-api). A client sends Generate and receives GeneratedToken messages, one per
+token, then GenerateDone; Cancel stops the generation in flight. StatusRequest is answered with
+StatusResponse. A failed request is answered with `wire.peer_protocol.Error`, shared by both
+protocols.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from wire.peer_protocol import MAX_ID_LEN, MAX_MODEL_LEN, ServerInfo
+from wire.schema import Message, message, spec
+
+MAX_PROMPT_CHARS = 1 << 20
+"""A prompt's text: 128k tokens of English are ~0.5 M characters (the frame's 4 MiB string limit
+bounds the bytes)."""
+
+MAX_INPUT_TOKENS = 1 << 17
+"""Token ids in one prompt: a full 128k-token context."""
+
+MAX_TOKEN_ID = (1 << 31) - 1
+"""Vocabularies are at most a few hundred thousand entries; ids fit int32 everywhere."""
+
+MAX_NEW_TOKENS = 1 << 20
+
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LEN = 256
+
+MAX_SWARM_RECORDS = 4096
+"""Server records one StatusResponse lists: a large public swarm has a few hundred servers."""
+
+
+@message("generate")
+class Generate(Message):
+    """Generate up to max_new_tokens after `prompt` (text) or `input_ids` (exactly one of them)."""
+
+    prompt: str | None = spec(default=None, max_len=MAX_PROMPT_CHARS)
+    input_ids: tuple[int, ...] | None = spec(
+        default=None, min_items=1, max_items=MAX_INPUT_TOKENS, ge=0, le=MAX_TOKEN_ID
+    )
+    model: str | None = spec(default=None, min_len=1, max_len=MAX_MODEL_LEN)
+    max_new_tokens: int = spec(ge=1, le=MAX_NEW_TOKENS)
+    do_sample: bool = False
+    temperature: float = spec(default=1.0, gt=0.0, le=100.0)
+    top_k: int | None = spec(default=None, ge=1, le=MAX_TOKEN_ID)
+    top_p: float | None = spec(default=None, gt=0.0, le=1.0)
+    repetition_penalty: float = spec(default=1.0, gt=0.0, le=100.0)
+    seed: int | None = spec(default=None, ge=0, le=(1 << 64) - 1)
+    stop: tuple[str, ...] = spec(
+        default=(), max_items=MAX_STOP_SEQUENCES, min_len=1, max_len=MAX_STOP_LEN
+    )
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of prompt (text) and input_ids (token ids)")
+
+
+@message("generated_token")
+class GeneratedToken(Message):
+    """One new token: its id and the text it adds (may be empty mid-character)."""
+
+    text: str = spec(max_len=4096)
+    token_id: int = spec(ge=0, le=MAX_TOKEN_ID)
+
+
+@message("generate_done")
+class GenerateDone(Message):
+    """The generation ended: max_new_tokens reached, a stop sequence, end of sequence, or Cancel."""
+
+    reason: Literal["length", "stop", "eos", "cancelled"]
+    token_count: int = spec(ge=0, le=MAX_NEW_TOKENS)
+
+
+@message("cancel")
+class Cancel(Message):
+    """Stop the generation in flight on this connection (answered by GenerateDone cancelled)."""
+
+
+@message("status_request")
+class StatusRequest(Message):
+    """Ask the daemon what it serves and what it knows of the swarm."""
+
+
+@message("status_response")
+class StatusResponse(Message):
+    peer_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+    version: str = spec(min_len=1, max_len=64)
+    uptime_s: float = spec(ge=0.0)
+    serving: ServerInfo | None = None
+    """This daemon's own record when it serves blocks."""
+    swarm: tuple[ServerInfo, ...] = spec(default=(), max_items=MAX_SWARM_RECORDS)
+    """The servers this daemon knows of, as last seen."""

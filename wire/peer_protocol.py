@@ -1,0 +1,197 @@
+"""Messages peers exchange over libp2p streams: info, inference sessions, forward/backward, errors.
+
+Each message is one frame (docs/wire.md#peer-protocol). A session is opened once per route hop
+(OpenSession -> SessionOpened), then driven one Step per generated token (Step -> StepResult, or
+pushed on to the next hop when the Step names next_hops), then closed. Forward and Backward are
+stateless calls for training and prompt tuning. Any request may be answered with Error.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from wire.schema import Message, Record, message, record, spec
+
+MAX_ID_LEN = 128
+"""Peer ids (base58 multihash, 52 characters for Ed25519) and session ids (a uuid is 36)."""
+
+MAX_MODEL_LEN = 256
+"""Model names: Hugging Face repo ids are at most 96 characters."""
+
+MAX_ADDR_LEN = 1024
+"""One multiaddr; relayed addresses (/p2p-circuit) stack two peer ids and two transports."""
+
+MAX_ADDRS = 32
+"""Addresses one peer announces: a few interfaces times transports, plus relays."""
+
+MAX_BLOCKS = 4096
+"""Upper bound on a block index; the deepest open models have ~130 transformer blocks."""
+
+MAX_HOPS = 512
+"""Hops in a route that a Step may carry for server-to-server push (one per span, <= blocks)."""
+
+MAX_SESSION_TOKENS = 1 << 20
+"""Most tokens an inference session may reserve (max_length); 1M-token contexts exist."""
+
+MAX_BATCH_SIZE = 1024
+"""Sequences in one session batch."""
+
+MAX_ERROR_MESSAGE_LEN = 4096
+"""An error's text: one or two sentences, or a short traceback summary."""
+
+
+class _Span(Record):
+    """Records and messages with a block span [start, end) check end > start."""
+
+    start: int
+    end: int
+
+    def check(self) -> None:
+        if self.end <= self.start:
+            raise ValueError(
+                f"block span end ({self.end}) must be greater than start ({self.start})"
+            )
+
+
+@record
+class ServerInfo(_Span):
+    """A server's live record, as answered to InfoRequest and kept in swarm snapshots."""
+
+    peer_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+    model: str = spec(min_len=1, max_len=MAX_MODEL_LEN)
+    start: int = spec(ge=0, lt=MAX_BLOCKS)
+    end: int = spec(gt=0, le=MAX_BLOCKS)
+    throughput: float = spec(ge=0.0)  # requests*blocks/s the server can serve, as Petals measures
+    free_cache_tokens: int = spec(ge=0, le=1 << 40)
+    state: Literal["joining", "online", "draining"]
+    version: str = spec(min_len=1, max_len=64)  # peerd software version, e.g. "0.1.0"
+    addrs: tuple[str, ...] = spec(default=(), max_items=MAX_ADDRS, min_len=1, max_len=MAX_ADDR_LEN)
+    relayed: bool = False
+
+
+@record
+class NextHop(_Span):
+    """Where a server pushes its output for server-to-server push: the next span's session."""
+
+    peer_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+    addrs: tuple[str, ...] = spec(default=(), max_items=MAX_ADDRS, min_len=1, max_len=MAX_ADDR_LEN)
+    session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+    start: int = spec(ge=0, lt=MAX_BLOCKS)
+    end: int = spec(gt=0, le=MAX_BLOCKS)
+
+
+@message("info_request")
+class InfoRequest(Message):
+    """Ask a server for its live record."""
+
+
+@message("info_response")
+class InfoResponse(Message):
+    info: ServerInfo
+
+
+@message("open_session")
+class OpenSession(_Span, Message):
+    """Open an inference session on blocks [start, end) with a KV cache of max_length tokens."""
+
+    session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+    model: str = spec(min_len=1, max_len=MAX_MODEL_LEN)
+    start: int = spec(ge=0, lt=MAX_BLOCKS)
+    end: int = spec(gt=0, le=MAX_BLOCKS)
+    max_length: int = spec(ge=1, le=MAX_SESSION_TOKENS)
+    batch_size: int = spec(default=1, ge=1, le=MAX_BATCH_SIZE)
+    next_hops: tuple[NextHop, ...] = spec(default=(), max_items=MAX_HOPS)
+    """Default push route for this session's steps (a Step's own next_hops override it)."""
+
+
+@message("session_opened")
+class SessionOpened(Message):
+    session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+    max_length: int = spec(ge=1, le=MAX_SESSION_TOKENS)  # tokens actually reserved
+
+
+@message("step")
+class Step(Message):
+    """Run hidden_states through the session's blocks, appending to (or rolling back) its cache."""
+
+    session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+    step_id: int = spec(ge=0)
+    hidden_states: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+    start_position: int | None = spec(default=None, ge=0, lt=MAX_SESSION_TOKENS)
+    """Cache position of the first token; earlier than the cache's length rolls the cache back."""
+    next_hops: tuple[NextHop, ...] = spec(default=(), max_items=MAX_HOPS)
+    """When set, push the output to next_hops[0] (carrying the rest) instead of replying."""
+
+
+@message("step_result")
+class StepResult(Message):
+    session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+    step_id: int = spec(ge=0)
+    hidden_states: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+
+
+@message("close_session")
+class CloseSession(Message):
+    session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+
+
+@message("forward")
+class Forward(_Span, Message):
+    """Stateless forward pass through blocks [start, end) (training, prompt tuning)."""
+
+    model: str = spec(min_len=1, max_len=MAX_MODEL_LEN)
+    start: int = spec(ge=0, lt=MAX_BLOCKS)
+    end: int = spec(gt=0, le=MAX_BLOCKS)
+    hidden_states: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+
+
+@message("forward_result")
+class ForwardResult(Message):
+    hidden_states: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+
+
+@message("backward")
+class Backward(_Span, Message):
+    """Gradients of blocks [start, end) w.r.t. their inputs, given the outputs' gradients."""
+
+    model: str = spec(min_len=1, max_len=MAX_MODEL_LEN)
+    start: int = spec(ge=0, lt=MAX_BLOCKS)
+    end: int = spec(gt=0, le=MAX_BLOCKS)
+    hidden_states: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+    grad_outputs: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+
+    def check(self) -> None:
+        super().check()
+        if self.grad_outputs.shape != self.hidden_states.shape:
+            raise ValueError(
+                f"grad_outputs shape {list(self.grad_outputs.shape)} must equal hidden_states "
+                f"shape {list(self.hidden_states.shape)}"
+            )
+
+
+@message("backward_result")
+class BackwardResult(Message):
+    grad_inputs: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+
+
+class ErrorCode:
+    """Well-known Error.code values (any short snake_case string is allowed on the wire)."""
+
+    BAD_REQUEST = "bad_request"  # the request broke the protocol or made no sense
+    UNSUPPORTED = "unsupported"  # valid but this server does not do it (e.g. other model)
+    NOT_SERVING = "not_serving"  # the blocks asked for are not (or no longer) served here
+    SESSION_NOT_FOUND = "session_not_found"
+    OUT_OF_CACHE = "out_of_cache"  # no room for max_length tokens right now
+    BUSY = "busy"  # overloaded: retry elsewhere or later
+    CANCELLED = "cancelled"
+    INTERNAL = "internal"  # a bug on the answering side
+
+
+@message("error")
+class Error(Message):
+    """A request failed; `message` is for a person, `code` for a program (see ErrorCode)."""
+
+    code: str = spec(min_len=1, max_len=64)
+    message: str = spec(max_len=MAX_ERROR_MESSAGE_LEN)
