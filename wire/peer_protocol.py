@@ -14,6 +14,18 @@ import torch
 
 from wire.schema import Message, Record, message, record, spec
 
+CompressionName = Literal[
+    "raw",
+    "raw+lz4",
+    "float16",
+    "float16+lz4",
+    "bfloat16",
+    "bfloat16+lz4",
+    "int8-blockwise",
+    "int8-blockwise+lz4",
+]
+"""Tensor compression names a request may ask its answer to use (wire.tensors.COMPRESSIONS)."""
+
 MAX_ID_LEN = 128
 """Peer ids (base58 multihash, 52 characters for Ed25519) and session ids (a uuid is 36)."""
 
@@ -25,6 +37,9 @@ MAX_ADDR_LEN = 1024
 
 MAX_ADDRS = 32
 """Addresses one peer announces: a few interfaces times transports, plus relays."""
+
+MAX_ADAPTERS = 64
+"""Adapters one server offers."""
 
 MAX_BLOCKS = 4096
 """Upper bound on a block index; the deepest open models have ~130 transformer blocks."""
@@ -69,6 +84,8 @@ class ServerInfo(_Span):
     version: str = spec(min_len=1, max_len=64)  # peerd software version, e.g. "0.1.0"
     addrs: tuple[str, ...] = spec(default=(), max_items=MAX_ADDRS, min_len=1, max_len=MAX_ADDR_LEN)
     relayed: bool = False
+    adapters: tuple[str, ...] = spec(default=(), max_items=MAX_ADAPTERS, min_len=1, max_len=256)
+    """Names of the adapters (e.g. LoRA) the server can apply on top of its blocks."""
 
 
 @record
@@ -89,7 +106,7 @@ class InfoRequest(Message):
 
 @message("info_response")
 class InfoResponse(Message):
-    info: ServerInfo
+    record: ServerInfo
 
 
 @message("open_session")
@@ -104,6 +121,8 @@ class OpenSession(_Span, Message):
     batch_size: int = spec(default=1, ge=1, le=MAX_BATCH_SIZE)
     next_hops: tuple[NextHop, ...] = spec(default=(), max_items=MAX_HOPS)
     """Default push route for this session's steps (a Step's own next_hops override it)."""
+    reply_compression: CompressionName = "raw"
+    """How the server encodes the tensors it sends in this session (results and pushes)."""
 
 
 @message("session_opened")
@@ -145,6 +164,7 @@ class Forward(_Span, Message):
     start: int = spec(ge=0, lt=MAX_BLOCKS)
     end: int = spec(gt=0, le=MAX_BLOCKS)
     hidden_states: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+    reply_compression: CompressionName = "raw"
 
 
 @message("forward_result")
@@ -161,6 +181,7 @@ class Backward(_Span, Message):
     end: int = spec(gt=0, le=MAX_BLOCKS)
     hidden_states: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
     grad_outputs: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+    reply_compression: CompressionName = "raw"
 
     def check(self) -> None:
         super().check()

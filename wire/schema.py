@@ -199,6 +199,17 @@ class Record:
     def check(self) -> None:
         """Rules across fields (e.g. end > start): raise ValueError(reason) to refuse the record."""
 
+    def to_dict(self) -> dict[str, Any]:
+        """Fields as a plain map (nested records as maps, tuples as lists, tensors as they are)."""
+        return {field.name: _plain(getattr(self, field.name)) for field in self._wire_fields}
+
+    @classmethod
+    def from_dict(cls: type[R], fields: Mapping[str, Any]) -> R:
+        """Build from a map of fields, validated as on the wire; unknown keys are ignored (e.g.
+        a routing record's local bookkeeping). Raises MalformedMessage."""
+        label = getattr(cls, "TYPE", cls.__name__)
+        return _record_from_wire(cls, dict(fields), label, _DecodeLimits(DEFAULT_MAX_FRAME_SIZE))
+
     def __eq__(self, other: object) -> bool:
         if type(other) is not type(self):
             return NotImplemented
@@ -433,16 +444,20 @@ def _from_wire(field: _Field, value: Any, path: str, limits: _DecodeLimits) -> A
     if value is None:
         return None
     if field.kind == "tensor":
+        if isinstance(value, torch.Tensor):  # from_dict on Python values
+            return value
         try:
             return decode_tensor(value, max_bytes=limits.max_tensor_bytes)
         except MalformedTensor as error:
             raise MalformedTensor(f"{path}: {error}") from None
     if field.kind == "record":
         assert field.record is not None
+        if isinstance(value, field.record):  # from_dict on Python values
+            return value
         return _record_from_wire(field.record, value, path, limits)
     if field.kind == "tuple":
         assert field.item is not None
-        if not isinstance(value, list):
+        if not isinstance(value, list | tuple):
             raise MalformedMessage(f"{path}: must be a list, got {_describe(value)}")
         _check_items(len(value), field.rule, path)  # before converting a single item
         item = field.item
@@ -470,14 +485,38 @@ def to_envelope(msg: Message, compression: Compression | str = "raw") -> dict[st
 
 
 Expect: TypeAlias = type[Message] | tuple[type[Message], ...] | None
+Incoming: TypeAlias = dict[str, Any] | bytes | bytearray | memoryview
 
 
-def from_envelope(
-    obj: Any, *, max_tensor_bytes: int = DEFAULT_MAX_FRAME_SIZE, expect: Expect = None
+@overload
+def decode_message(data: Incoming, *, max_frame_size: int = ..., expect: type[M]) -> M: ...
+@overload
+def decode_message(
+    data: Incoming,
+    *,
+    max_frame_size: int = ...,
+    expect: tuple[type[Message], ...] | None = None,
+) -> Message: ...
+def decode_message(
+    data: Incoming,
+    *,
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+    expect: Expect = None,
 ) -> Message:
-    """The message in a decoded frame map. Raises ProtocolError (VersionMismatch first)."""
+    """The validated message in `data`: a map from `FrameDecoder.next_frame()`, or the bytes of
+    exactly one complete frame.
+
+    `expect` restricts the message types accepted (UnexpectedMessage otherwise). Tensors larger
+    than `max_frame_size` bytes are refused (lz4 could otherwise inflate a small frame). Raises
+    ProtocolError; VersionMismatch is checked before anything but the envelope being a map.
+    """
+    if isinstance(data, bytes | bytearray | memoryview):
+        obj: Any = decode_frame(data, max_frame_size=max_frame_size)
+    else:
+        obj = data
     if not isinstance(obj, dict):
         raise MalformedMessage(f"a message frame holds a map, got {_describe(obj)}")
+    limits = _DecodeLimits(max_tensor_bytes=max_frame_size)
     if "protocol" not in obj:
         raise MalformedMessage(
             "frame has no 'protocol' field: the peer does not speak the peerd wire protocol"
@@ -504,7 +543,7 @@ def from_envelope(
             )
     if "body" not in obj:
         raise MalformedMessage(f"{tag}: frame has no body field")
-    return _record_from_wire(cls, obj["body"], tag, _DecodeLimits(max_tensor_bytes))
+    return _record_from_wire(cls, obj["body"], tag, limits)
 
 
 def encode_message(
@@ -513,30 +552,11 @@ def encode_message(
     *,
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
 ) -> memoryview:
-    """One frame (read-only bytes-like) carrying `msg`. Raises FrameTooLarge if over the limit."""
+    """One frame (read-only bytes-like) carrying `msg`, its tensors encoded with `compression`.
+
+    Raises FrameTooLarge if the frame would be over `max_frame_size` (the peer would refuse it).
+    """
     return encode_frame(to_envelope(msg, compression), max_frame_size=max_frame_size)
-
-
-@overload
-def decode_message(
-    frame: bytes | bytearray | memoryview, *, max_frame_size: int = ..., expect: type[M]
-) -> M: ...
-@overload
-def decode_message(
-    frame: bytes | bytearray | memoryview,
-    *,
-    max_frame_size: int = ...,
-    expect: tuple[type[Message], ...] | None = None,
-) -> Message: ...
-def decode_message(
-    frame: bytes | bytearray | memoryview,
-    *,
-    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
-    expect: Expect = None,
-) -> Message:
-    """The message in `frame`, exactly one complete frame. Raises ProtocolError."""
-    obj = decode_frame(frame, max_frame_size=max_frame_size)
-    return from_envelope(obj, max_tensor_bytes=max_frame_size, expect=expect)
 
 
 class MessageDecoder:
@@ -565,8 +585,8 @@ class MessageDecoder:
             obj = self._frames.next_frame()
             if obj is None:
                 return None
-            return from_envelope(
-                obj, max_tensor_bytes=self._frames.max_frame_size, expect=self._expect
+            return decode_message(
+                obj, max_frame_size=self._frames.max_frame_size, expect=self._expect
             )
         except ProtocolError as error:
             self._error = error
@@ -582,6 +602,14 @@ class MessageDecoder:
 
 
 # --- helpers ------------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Record):
+        return value.to_dict()
+    if isinstance(value, tuple):
+        return [_plain(item) for item in value]
+    return value
 
 
 def _equal(a: Any, b: Any) -> bool:
