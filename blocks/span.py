@@ -60,6 +60,16 @@ class Span(nn.Module):
     def weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
 
+    def sub_span(self, start: int, end: int) -> Span:
+        """Blocks start..end-1 of this span as a Span of their own, sharing the weights (for a
+        route that uses part of what a server holds). Sessions are not shared between the two."""
+        if not self.start <= start < end <= self.end:
+            raise ValueError(
+                f"blocks {start}:{end} are not within this span {self.start}:{self.end}"
+            )
+        layers = list(self.layers)[start - self.start : end - self.start]
+        return Span(self.config, self.family, start, layers, self.rotary, self.model)
+
     def forward(
         self, hidden_states: torch.Tensor, session: SpanSession | None = None
     ) -> torch.Tensor:

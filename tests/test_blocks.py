@@ -206,6 +206,17 @@ def test_batched_session_matches_one_sequence_at_a_time(tiny: dict[str, Path]) -
     assert cache.used_tokens == 0
 
 
+def test_sub_span_shares_weights_and_runs_like_the_blocks_it_holds(tiny: dict[str, Path]) -> None:
+    span = blocks.load_span(tiny["llama"], 1, 5)
+    part = span.sub_span(2, 4)
+    assert (part.start, part.end) == (2, 4) and part.layers[0] is span.layers[1]
+    hidden = torch.randn(1, 5, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(part(hidden), blocks.load_span(tiny["llama"], 2, 4)(hidden))
+    with pytest.raises(ValueError, match="not within"):
+        span.sub_span(0, 2)
+
+
 def test_backward_through_a_span_reaches_the_input_hidden_states(tiny: dict[str, Path]) -> None:
     span = blocks.load_span(tiny["llama"], 2, 4)
     hidden = torch.randn(1, 6, 32, requires_grad=True)
