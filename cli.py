@@ -41,5 +41,24 @@ def bench_wire(
         typer.echo(format_wire_report(report))
 
 
+@bench_app.command("blocks")
+def bench_blocks(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: str = typer.Option("default", help="'default' (SmolLM2-135M) or a checkpoint dir."),
+    start: int = typer.Option(0, min=0, help="First block of the span."),
+    end: int = typer.Option(10, min=1, help="One past the last block of the span."),
+    device: str = typer.Option("cpu", help="torch device to run on, e.g. cpu or cuda:0."),
+) -> None:
+    """Decode and prefill tokens/s of a span beside the whole local model, in one run."""
+    from blocks import BlocksError
+    from peerd.bench.blocks import run_blocks_bench
+
+    try:
+        report = run_blocks_bench(model, start, end, device)
+    except (BlocksError, ValueError) as e:
+        typer.echo(f"peerd bench blocks: {e}", err=True)
+        raise typer.Exit(2) from None
+    _print_report(report, as_json)
+
 if __name__ == "__main__":
     app()
