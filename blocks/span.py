@@ -76,8 +76,8 @@ class Span(nn.Module):
         """hidden_states [batch, tokens, hidden] -> the same after this span's blocks.
 
         With a session, the tokens continue its sequence at session.position and their keys and
-        values are cached (no autograd); without one they are a whole sequence from position 0,
-        and gradients flow back to hidden_states.
+        values are cached (inference mode, in chunks of chunk_tokens); without one they are a
+        whole sequence from position 0, in one piece, and gradients flow back to hidden_states.
         """
         hidden_states = hidden_states.to(device=self.device, dtype=self.dtype)
         if session is None:
@@ -92,7 +92,9 @@ class Span(nn.Module):
         kv = session.acquire(span_key, self.start, self.num_blocks, new_tokens)
         try:
             outputs = []
-            with torch.no_grad():
+            # Inference mode always, whatever the caller's mode: the cache's tensors are created
+            # in the first call and written in every later one, which must agree.
+            with torch.inference_mode():
                 for chunk in hidden_states.split(self.chunk_tokens, dim=1):
                     outputs.append(self._run_blocks(chunk, kv, past_length=kv.length))
                     kv.length += chunk.shape[1]

@@ -54,20 +54,27 @@ def measure_throughput(
         step(32, session)
         step(1, session)
     with cache.open_session(1, PREFILL_TOKENS) as session:
-        started = time.perf_counter()
+        started = _clock(span.device)
         step(PREFILL_TOKENS, session)
-        prefill_tps = PREFILL_TOKENS / (time.perf_counter() - started)
+        prefill_tps = PREFILL_TOKENS / (_clock(span.device) - started)
     with cache.open_session(1, DECODE_STEPS + 8) as session:
         step(4, session)
         step(1, session)
-        started = time.perf_counter()
+        started = _clock(span.device)
         for _ in range(DECODE_STEPS):
             step(1, session)
-        decode_tps = DECODE_STEPS / (time.perf_counter() - started)
+        decode_tps = DECODE_STEPS / (_clock(span.device) - started)
     result = Throughput(decode_tps, prefill_tps, threads, time.time())
     if use_disk_cache:
         _write_record(path, result)
     return result
+
+
+def _clock(device: torch.device) -> float:
+    """Seconds, once the device has finished the work queued so far (GPU kernels run async)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _step_function(span: Span, client: ClientSide | None) -> Callable[[int, SpanSession], None]:
@@ -81,7 +88,7 @@ def _step_function(span: Span, client: ClientSide | None) -> Callable[[int, Span
     def through_model(n: int, session: SpanSession) -> None:
         assert client is not None
         ids = torch.randint(0, span.config.vocab_size, (1, n))
-        with torch.no_grad():
+        with torch.inference_mode():
             hidden = span(client.embed(ids), session)
             client.logits(hidden[:, -1:])
 

@@ -217,6 +217,20 @@ def test_sub_span_shares_weights_and_runs_like_the_blocks_it_holds(tiny: dict[st
         span.sub_span(0, 2)
 
 
+def test_half_precision_span_runs_close_to_fp32(tiny: dict[str, Path]) -> None:
+    half = blocks.load_span(tiny["llama"], 0, 6, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and half.kv_bytes_per_token == 2 * 6 * 16 * 2
+    full = blocks.load_span(tiny["llama"], 0, 6)
+    hidden = torch.randn(1, 6, 32)
+    with blocks.MemoryCache(budget_tokens=8).open_session(1, 8) as session:
+        out = half(hidden, session)
+    assert out.dtype == torch.bfloat16
+    with torch.no_grad():
+        want = full(hidden)
+    # bf16 keeps 8 bits of mantissa: about 1% error per layer on these large random weights.
+    assert (out.float() - want).norm() / want.norm() < 0.05
+
+
 def test_backward_through_a_span_reaches_the_input_hidden_states(tiny: dict[str, Path]) -> None:
     span = blocks.load_span(tiny["llama"], 2, 4)
     hidden = torch.randn(1, 6, 32, requires_grad=True)
