@@ -341,6 +341,26 @@ def test_sharded_checkpoint_loads_the_same(tiny: dict[str, Path], tmp_path: Path
         )
 
 
+def test_checkpoint_without_the_root_prefix_loads_the_same(
+    tiny: dict[str, Path], tmp_path: Path
+) -> None:
+    """Old BLOOM checkpoints name weights "h.0..." rather than "transformer.h.0..."."""
+    source = tiny["bloom"]
+    with safe_open(source / "model.safetensors", framework="pt") as f:
+        names = f.keys()
+        renamed = {name.removeprefix("transformer."): f.get_tensor(name) for name in names}
+    save_file(renamed, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((source / "config.json").read_text())
+    ids = torch.tensor([[1, 2, 3, 4]])
+
+    def logits(path: Path) -> torch.Tensor:
+        client = blocks.load_client_side(path)
+        return client.logits(blocks.load_span(path, 0, 4)(client.embed(ids)))
+
+    with torch.no_grad():
+        torch.testing.assert_close(logits(tmp_path), logits(source))
+
+
 class _RecordingSafeOpen:
     """safe_open that records every tensor read through it."""
 
