@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from blocks.cache import SpanSession
+from blocks.cache import KVCache, SpanSession
 from blocks.checkpoint import CheckpointTensors, load_config, model_name, resolve_checkpoint
 from blocks.families import Family, family_of, prepare_config
 
@@ -90,6 +90,7 @@ class Span(nn.Module):
             )
         span_key = (id(self), self.start, self.end)
         kv = session.acquire(span_key, self.start, self.num_blocks, new_tokens)
+        position = kv.length
         try:
             outputs = []
             # Inference mode always, whatever the caller's mode: the cache's tensors are created
@@ -99,11 +100,14 @@ class Span(nn.Module):
                     outputs.append(self._run_blocks(chunk, kv, past_length=kv.length))
                     kv.length += chunk.shape[1]
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
+        except BaseException:
+            kv.length = position  # all or nothing: a failed call leaves the session as it was
+            raise
         finally:
             session.release()
 
     def _run_blocks(
-        self, hidden: torch.Tensor, kv: object | None, past_length: int
+        self, hidden: torch.Tensor, kv: KVCache | None, past_length: int
     ) -> torch.Tensor:
         inputs = self.family.layer_inputs(self.config, self.rotary, hidden, past_length)
         inputs[self.family.cache_kwarg] = kv

@@ -288,6 +288,10 @@ def test_session_limits_are_typed_errors(tiny: dict[str, Path]) -> None:
         session.rollback(7)
     session.rollback(0)
     span(torch.randn(1, 8, 32), session)
+    session.rollback(2)
+    with pytest.raises(RuntimeError):  # a failing call (wrong hidden size) changes nothing
+        span(torch.randn(1, 3, 31), session)
+    assert session.position == 2
     session.close()
     with pytest.raises(blocks.BlocksError, match="closed"):
         span(torch.randn(1, 1, 32), session)
