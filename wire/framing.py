@@ -14,8 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
+from wire.buffers import allocate, copy_bytes, freeze, is_immutable
 from wire.errors import FrameTooLarge, MalformedFrame, ProtocolError
 from wire.packing import byte_view, pack_parts, unpack
 
@@ -50,13 +49,13 @@ def encode_frame(
         raise FrameTooLarge(size, max_frame_size, sending=True)
     if size < SMALL_FRAME:
         return memoryview(b"".join([HEADER.pack(size), *parts]))
-    out = np.empty(HEADER_SIZE + size, np.uint8).data
+    out = allocate(HEADER_SIZE + size)
     HEADER.pack_into(out, 0, size)
     pos = HEADER_SIZE
     for part in parts:
-        out[pos : pos + len(part)] = part
+        copy_bytes(out[pos : pos + len(part)], byte_view(part))
         pos += len(part)
-    return out.toreadonly()
+    return freeze(out)
 
 
 def decode_frame(
@@ -95,7 +94,9 @@ class FrameDecoder:
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Take bytes from the stream; `b""` means the stream ended (no more data may follow).
 
-        The bytes are copied into buffers the decoder owns, so the caller may reuse `data`.
+        Bytes are copied into buffers the decoder owns, so the caller may reuse `data`; except
+        that whole frames inside an immutable `data` (a bytes object, or a frame from
+        `encode_frame`) are kept as views of it, without a copy.
         """
         if self._ended:
             raise RuntimeError("receive_data called after the end of the stream (b'')")
@@ -103,8 +104,16 @@ class FrameDecoder:
         if not view:
             self._ended = True
             return
+        immutable = is_immutable(view)
         pos = 0
         while pos < len(view) and self._error is None:
+            at_boundary = self._body is None and not self._header
+            if at_boundary and immutable and len(view) - pos >= HEADER_SIZE:
+                size = HEADER.unpack_from(view, pos)[0]
+                if 0 < size <= self.max_frame_size and size <= len(view) - pos - HEADER_SIZE:
+                    self._complete.append(view[pos + HEADER_SIZE : pos + HEADER_SIZE + size])
+                    pos += HEADER_SIZE + size
+                    continue
             if self._body is None:
                 take = min(HEADER_SIZE - len(self._header), len(view) - pos)
                 self._header += view[pos : pos + take]
@@ -114,7 +123,7 @@ class FrameDecoder:
                     self._header.clear()
             else:
                 take = min(len(self._body) - self._filled, len(view) - pos)
-                self._body[self._filled : self._filled + take] = view[pos : pos + take]
+                copy_bytes(self._body[self._filled : self._filled + take], view[pos : pos + take])
                 self._filled += take
                 pos += take
                 if self._filled == len(self._body):
@@ -127,13 +136,10 @@ class FrameDecoder:
         elif size == 0:
             self._error = MalformedFrame("frame of length 0: every frame carries one msgpack map")
         else:
-            # Allocated only now, after the length passed the limit. numpy leaves the pages
+            # Allocated only now, after the length passed the limit. A large buffer's pages are
             # untouched until data arrives, so a peer that announces a big frame and stalls costs
             # address space, not memory.
-            if size < SMALL_FRAME:
-                self._body = memoryview(bytearray(size))
-            else:
-                self._body = np.empty(size, np.uint8).data
+            self._body = memoryview(bytearray(size)) if size < SMALL_FRAME else allocate(size)
             self._filled = 0
 
     def next_frame(self) -> dict[str, Any] | None:

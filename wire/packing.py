@@ -9,7 +9,7 @@ packer, so a frame is assembled with one copy of its payload (see `wire.framing.
 Decoding is a small recursive-descent parser instead of `msgpack.unpackb` because unpackb copies
 every binary value into a new `bytes` object: for hidden states that is a second full copy of the
 payload on a path whose budget is about one copy (the `peerd bench wire` target is half of
-`torch.clone` bandwidth for encode+decode together). Here a binary value comes back as a read-only
+`torch.clone` bandwidth for encode+decode together). Here a binary value comes back as a
 `memoryview` into the frame body. The parser accepts exactly the subset peerd emits: nil, bool,
 int (up to 64 bits), float32/float64, str (valid UTF-8), bin, array, map with str keys; never ext
 types, never duplicate keys, and every length is checked against the limits below and against the
@@ -153,10 +153,11 @@ def _bin_header(size: int) -> bytes:
 def unpack(body: bytes | bytearray | memoryview) -> Any:
     """Decode one msgpack value that must fill `body` exactly.
 
-    Binary values come back as read-only memoryviews into `body`. Raises MalformedFrame (a
-    ProtocolError) for anything else than one well-formed value within the limits above.
+    Binary values come back as memoryviews into `body` (writable if `body` is: FrameDecoder owns
+    each body alone, so a decoder may copy out of it with torch's threads). Raises MalformedFrame
+    (a ProtocolError) for anything else than one well-formed value within the limits above.
     """
-    buf = byte_view(body).toreadonly()
+    buf = byte_view(body)
     try:
         value, pos = _unpack(buf, 0, 0)
     except (IndexError, struct.error):

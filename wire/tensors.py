@@ -24,7 +24,9 @@ import lz4.block
 import numpy as np
 import torch
 
+from wire.buffers import allocate, copy_bytes
 from wire.errors import MalformedTensor
+from wire.packing import byte_view
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -135,10 +137,8 @@ def encode_tensor(tensor: torch.Tensor, compression: Compression | str = "raw") 
     scales: torch.Tensor | None = None
     if codec == "raw":
         payload = flat
-    elif codec == "float16":
-        payload = flat.to(torch.float16)
-    elif codec == "bfloat16":
-        payload = flat.to(torch.bfloat16)
+    elif codec in ("float16", "bfloat16"):
+        payload = _converted(flat, torch.float16 if codec == "float16" else torch.bfloat16)
     else:
         payload, scales = _quantize_int8_blockwise(flat)
     data: bytes | memoryview = _bytes_of(payload)
@@ -157,21 +157,53 @@ def encode_tensor(tensor: torch.Tensor, compression: Compression | str = "raw") 
 
 
 def _quantize_int8_blockwise(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    values = flat.to(torch.float32)
-    count = values.numel()
+    """int8 values and float32 scales: q = round(x / s), s = absmax(block) / 127."""
+    count = flat.numel()
     blocks = -(-count // INT8_BLOCK_SIZE)
-    padded = torch.nn.functional.pad(values, (0, blocks * INT8_BLOCK_SIZE - count))
-    padded = padded.view(blocks, INT8_BLOCK_SIZE)
-    absmax = padded.abs().amax(dim=1)
+    if flat.dtype == torch.float32 and count % INT8_BLOCK_SIZE == 0:
+        values = flat.view(blocks, INT8_BLOCK_SIZE)
+    else:
+        values = _empty(blocks * INT8_BLOCK_SIZE, torch.float32)
+        values[:count].copy_(flat)
+        values[count:].zero_()
+        values = values.view(blocks, INT8_BLOCK_SIZE)
+    work = _empty(blocks * INT8_BLOCK_SIZE, torch.float32).view(blocks, INT8_BLOCK_SIZE)
+    absmax = torch.abs(values, out=work).amax(dim=1)
     if not bool(torch.isfinite(absmax).all()):
         raise ValueError(
             "int8-blockwise cannot encode inf or nan (or float64 beyond float32 range): "
             "send this tensor raw, float16 or bfloat16"
         )
     scales = absmax / 127.0
-    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
-    quantized = torch.round(padded / divisor[:, None]).clamp_(-127, 127).to(torch.int8)
-    return quantized.reshape(-1)[:count], scales
+    inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    torch.mul(values, inverse[:, None], out=work).round_().clamp_(-127, 127)
+    quantized = _empty(blocks * INT8_BLOCK_SIZE, torch.int8)
+    quantized.view(blocks, INT8_BLOCK_SIZE).copy_(work)
+    return quantized[:count], scales
+
+
+def _dequantize_int8_blockwise(
+    quantized: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    count = quantized.numel()
+    blocks = scales.numel()
+    values = _empty(blocks * INT8_BLOCK_SIZE, torch.float32)
+    values[:count].copy_(quantized)
+    values[count:].zero_()
+    values.view(blocks, INT8_BLOCK_SIZE).mul_(scales[:, None])
+    return _converted(values[:count], dtype)
+
+
+def _empty(count: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised 1-D tensor in numpy-allocated memory (huge pages for large sizes)."""
+    return torch.from_numpy(np.empty(count * dtype.itemsize, np.uint8)).view(dtype)
+
+
+def _converted(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`flat.to(dtype)` into numpy-allocated memory (no copy when already `dtype`)."""
+    if flat.dtype == dtype:
+        return flat
+    return _empty(flat.numel(), dtype).copy_(flat)
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -231,7 +263,7 @@ def decode_tensor(value: object, *, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -
     elif codec in ("float16", "bfloat16"):
         wire_dtype = torch.float16 if codec == "float16" else torch.bfloat16
         payload = _payload(data, count * 2, compressed)
-        result = _tensor_of(payload, wire_dtype).to(dtype)
+        result = _converted(_tensor_of(payload, wire_dtype), dtype)
     else:
         assert scales_data is not None
         if not isinstance(scales_data, bytes | bytearray | memoryview):
@@ -244,11 +276,7 @@ def decode_tensor(value: object, *, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -
             )
         quantized = _tensor_of(_payload(data, count, compressed), torch.int8)
         scales = _tensor_of(_payload(scales_data, blocks * 4, False), torch.float32)
-        padded = torch.nn.functional.pad(
-            quantized.to(torch.float32), (0, blocks * INT8_BLOCK_SIZE - count)
-        )
-        values = padded.view(blocks, INT8_BLOCK_SIZE) * scales[:, None]
-        result = values.reshape(-1)[:count].to(dtype)
+        result = _dequantize_int8_blockwise(quantized, scales, dtype)
     return result.reshape(shape)
 
 
@@ -272,9 +300,9 @@ def _payload(data: bytes | bytearray | memoryview, size: int, compressed: bool) 
             raise MalformedTensor(
                 f"tensor data is {len(data)} bytes but its dtype, shape and codec need {size}"
             )
-        out = np.empty(size, np.uint8)
-        np.copyto(out, np.frombuffer(data, np.uint8))
-        return out.data
+        out = allocate(size)
+        copy_bytes(out, byte_view(data))
+        return out
     if size > LZ4_MAX_RATIO * len(data) + 64:
         raise MalformedTensor(
             f"lz4 data of {len(data)} bytes cannot expand to the {size} bytes that the tensor's "
