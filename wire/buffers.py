@@ -16,6 +16,10 @@ PARALLEL_COPY = 1 << 20
 """Copies at least this long go through torch (threads); shorter ones are faster in one core."""
 
 
+HUGE_PAGE_ALLOCATION = 1 << 20
+"""Buffers at least this big come from numpy (huge pages); smaller ones from the usual allocator."""
+
+
 def allocate(size: int) -> memoryview:
     """A writable, uninitialised buffer of `size` bytes (numpy-allocated)."""
     return np.empty(size, np.uint8).data

@@ -24,7 +24,7 @@ import lz4.block
 import numpy as np
 import torch
 
-from wire.buffers import allocate, copy_bytes
+from wire.buffers import HUGE_PAGE_ALLOCATION, allocate, copy_bytes
 from wire.errors import MalformedTensor
 from wire.packing import byte_view
 
@@ -149,10 +149,10 @@ def encode_tensor(tensor: torch.Tensor, compression: Compression | str = "raw") 
         "shape": list(tensor.shape),
         "codec": codec,
         "lz4": comp.lz4,
-        "data": data,
     }
     if scales is not None:
         encoded["scales"] = _bytes_of(scales)
+    encoded["data"] = data  # last: the bulk of the frame, after everything needed to read it
     return encoded
 
 
@@ -195,7 +195,9 @@ def _dequantize_int8_blockwise(
 
 
 def _empty(count: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised 1-D tensor in numpy-allocated memory (huge pages for large sizes)."""
+    """An uninitialised 1-D tensor; large ones in numpy-allocated memory (huge pages)."""
+    if count * dtype.itemsize < HUGE_PAGE_ALLOCATION:
+        return torch.empty(count, dtype=dtype)
     return torch.from_numpy(np.empty(count * dtype.itemsize, np.uint8)).view(dtype)
 
 
@@ -208,7 +210,17 @@ def _converted(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """The bytes of a 1-D contiguous CPU tensor, without a copy."""
-    return tensor.contiguous().view(torch.uint8).numpy().data
+    if tensor.numel() == 0:
+        return memoryview(b"")
+    return _uint8_view(tensor).numpy().data
+
+
+def _uint8_view(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of `tensor` as a flat uint8 tensor (a view when it is contiguous)."""
+    flat = tensor.contiguous()
+    # contiguous() may keep any stride on a size-1 or empty dimension, which view(uint8) refuses
+    flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 # --- decoding ---------------------------------------------------------------------------------
@@ -322,6 +334,8 @@ def _payload(data: bytes | bytearray | memoryview, size: int, compressed: bool) 
 
 def _tensor_of(payload: memoryview, dtype: torch.dtype) -> torch.Tensor:
     """A 1-D tensor sharing the writable `payload` buffer (owned by nobody else)."""
+    if not payload:
+        return torch.empty(0, dtype=dtype)
     return torch.from_numpy(np.frombuffer(payload, np.uint8)).view(dtype)
 
 
@@ -360,6 +374,6 @@ def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-exact equality: same dtype, same shape, same bytes (nan payloads included)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    flat_a = a.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
-    flat_b = b.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
-    return torch.equal(flat_a, flat_b)
+    if a.numel() == 0:
+        return True
+    return torch.equal(_uint8_view(a.detach().cpu()), _uint8_view(b.detach().cpu()))
