@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 
@@ -22,6 +23,132 @@ def _print_report(report: dict, as_json: bool) -> None:
         return
     for key, value in report.items():
         typer.echo(f"{key}: {value}")
+
+
+@app.command()
+def start(
+    model: str = typer.Option(
+        "default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint dir."
+    ),
+    blocks: str = typer.Option(
+        "auto", help="Blocks to serve: auto (what fits, where the swarm is weakest), N, or a:b."
+    ),
+    new_swarm: bool = typer.Option(False, "--new-swarm", help="Start a new swarm (no peers)."),
+    initial_peers: list[str] = typer.Option(
+        [], "--initial-peers", help="Full multiaddr of a peer to join through (repeatable)."
+    ),
+    port: int = typer.Option(0, help="TCP port to listen on (0: any free port)."),
+    host_maddrs: list[str] = typer.Option([], "--host-maddrs", help="Listen multiaddrs."),
+    identity: Path | None = typer.Option(None, help="Identity file (created on first use)."),
+    throughput: str = typer.Option("auto", help="auto (measure once, cached) or tokens/s."),
+    memory_budget: int | None = typer.Option(
+        None, help="Bytes for weights + cache with --blocks auto (default: half of free RAM)."
+    ),
+    cache_tokens: int = typer.Option(16384, min=1, help="KV cache budget in tokens."),
+    refresh_period: float = typer.Option(60.0, min=0.1, help="Seconds between DHT announces."),
+    torch_threads: int | None = typer.Option(None, min=1, help="torch threads for compute."),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+) -> None:
+    """Serve blocks of a model to the swarm and route generations for local clients."""
+    from peerd.daemon import DaemonConfig, DaemonError, configure_logging, run
+    from peerd.p2p import BadMultiaddr
+
+    configure_logging(log_level)
+    if not new_swarm and not initial_peers:
+        raise typer.BadParameter(
+            "give --initial-peers MULTIADDR to join a swarm, or --new-swarm to start one",
+            param_hint="--initial-peers",
+        )
+    if new_swarm and initial_peers:
+        raise typer.BadParameter("--new-swarm takes no --initial-peers", param_hint="--new-swarm")
+    config = DaemonConfig(
+        model=model,
+        blocks=None if blocks == "none" else blocks,
+        new_swarm=new_swarm,
+        initial_peers=list(initial_peers),
+        port=port,
+        host_maddrs=list(host_maddrs),
+        identity=identity,
+        throughput=throughput,
+        memory_budget=memory_budget,
+        cache_tokens=cache_tokens,
+        refresh_period=refresh_period,
+        torch_threads=torch_threads,
+    )
+    try:
+        run(config)
+    except (DaemonError, BadMultiaddr) as e:
+        typer.echo(f"peerd start: {e}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        pass
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Option(..., help="Text to continue."),
+    initial_peers: list[str] = typer.Option(
+        ..., "--initial-peers", help="Full multiaddr of a swarm peer (repeatable)."
+    ),
+    model: str = typer.Option("default", help="'default' or a checkpoint dir."),
+    max_new_tokens: int = typer.Option(32, min=1),
+    chat: bool = typer.Option(False, help="Apply the model's chat template to the prompt."),
+    show_route: bool = typer.Option(False, "--show-route", help="Print the route and tokens/s."),
+) -> None:
+    """Generate text through the swarm (greedy), without serving blocks."""
+    import trio
+
+    from peerd.daemon import configure_logging
+    from peerd.inference import InferenceSession
+    from peerd.leech import open_leech
+
+    configure_logging("warning")
+
+    async def main() -> None:
+        import time
+
+        async with open_leech(model, initial_peers) as leech:
+            tokenizer = leech.client.tokenizer
+            if chat:
+                ids = tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}],
+                    add_generation_prompt=True,
+                    return_tensors="pt",
+                    return_dict=True,
+                )["input_ids"]
+            else:
+                ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+            started = time.perf_counter()
+            tokens: list[int] = []
+            eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+            async with InferenceSession(
+                leech.swarm, max_length=ids.shape[1] + max_new_tokens
+            ) as session:
+                async for token in leech.generator.generate(
+                    ids, max_new_tokens, session=session, eos_token_ids=eos
+                ):
+                    tokens.append(int(token[0, 0]))
+                route = session.describe_route()
+            elapsed = time.perf_counter() - started
+            typer.echo(tokenizer.decode(tokens, skip_special_tokens=True))
+            if show_route:
+                typer.echo(f"route: {route}", err=True)
+                typer.echo(f"{len(tokens)} tokens, {len(tokens) / elapsed:.1f} tokens/s", err=True)
+
+    trio.run(main)
+
+
+@app.command()
+def demo(
+    prompt: str = typer.Option("What is the capital of France?", help="The question to ask."),
+    max_new_tokens: int = typer.Option(48, min=1),
+) -> None:
+    """Start a local swarm of three daemons on the default model, answer a prompt, stop."""
+    from peerd.daemon import configure_logging
+    from peerd.demo import run_demo
+
+    configure_logging("warning")
+    run_demo(prompt, max_new_tokens)
 
 
 @bench_app.command("wire")
@@ -59,6 +186,21 @@ def bench_blocks(
         typer.echo(f"peerd bench blocks: {e}", err=True)
         raise typer.Exit(2) from None
     _print_report(report, as_json)
+
+
+@bench_app.command("swarm")
+def bench_swarm(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    runs: int = typer.Option(3, min=1, help="Repetitions; medians are reported."),
+    new_tokens: int = typer.Option(64, min=2, help="Greedy tokens per generation."),
+) -> None:
+    """Three local daemons (10/10/10 blocks) vs the whole model in one process, same run."""
+    from peerd.bench.swarm import run_swarm_bench
+    from peerd.daemon import configure_logging
+
+    configure_logging("warning")
+    _print_report(run_swarm_bench(runs=runs, new_tokens=new_tokens), as_json)
+
 
 if __name__ == "__main__":
     app()

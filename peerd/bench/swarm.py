@@ -1,0 +1,120 @@
+"""`peerd bench swarm`: greedy generation through three local daemons (10/10/10 blocks of the
+default model) against the whole model in one process with transformers, in the same run.
+
+Reported as ratios (the machine is noisy): decode tokens/s through the swarm over local decode
+tokens/s, and the same for the prompt (prefill); medians over `runs` repetitions.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import trio
+
+import blocks
+from peerd.inference import InferenceSession
+from peerd.leech import Leech, open_leech
+from peerd.localswarm import LocalSwarm
+
+PROMPT = (
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, "
+    "a goldsmith from Mainz, combined movable metal type, oil-based ink and a wooden screw press "
+    "into a system that could produce books far faster than scribes. Within fifty years printing "
+    "shops had opened in more than two hundred cities across Europe, and the price of books fell "
+    "sharply. Scholars argue about how much this changed the world, but"
+)
+
+
+def _prompt_ids(tokenizer: Any) -> torch.Tensor:
+    return tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+
+
+def _local_run(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, float, list[int]]:
+    """(prefill seconds, decode tokens/s, tokens) of greedy generation by transformers."""
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        started = time.perf_counter()
+        cache = DynamicCache()
+        out = model(ids, past_key_values=cache, use_cache=True)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        prefill_s = time.perf_counter() - started
+        tokens = [int(token)]
+        started = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            out = model(token, past_key_values=out.past_key_values, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(token))
+        decode_tps = (new_tokens - 1) / (time.perf_counter() - started)
+    return prefill_s, decode_tps, tokens
+
+
+async def _swarm_run(
+    leech: Leech, ids: torch.Tensor, new_tokens: int
+) -> tuple[float, float, list[int]]:
+    """(time to first token, decode tokens/s, tokens) of greedy generation through the swarm."""
+    tokens: list[int] = []
+    started = time.perf_counter()
+    first_at = 0.0
+    async with InferenceSession(leech.swarm, max_length=ids.shape[1] + new_tokens) as session:
+        async for token in leech.generator.generate(ids, new_tokens, session=session):
+            tokens.append(int(token[0, 0]))
+            if len(tokens) == 1:
+                first_at = time.perf_counter()
+        finished = time.perf_counter()
+    return first_at - started, (new_tokens - 1) / (finished - first_at), tokens
+
+
+def run_swarm_bench(runs: int = 3, new_tokens: int = 64, torch_threads: int = 2) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(torch_threads)
+    checkpoint = blocks.resolve_checkpoint("default")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    client = blocks.load_client_side(checkpoint)
+    ids = _prompt_ids(client.tokenizer)
+    swarm = LocalSwarm(refresh_period=5.0, torch_threads=torch_threads, throughput="auto")
+    try:
+        for name, span in (("a", "0:10"), ("b", "10:20"), ("c", "20:30")):
+            swarm.start(name, span)
+
+        async def measure() -> dict[str, Any]:
+            rows: list[dict[str, float]] = []
+            same = True
+            async with open_leech("default", swarm.initial_peers, refresh_period=5.0) as leech:
+                await _swarm_run(leech, ids, 4)  # warm-up: connections, first allocations
+                _local_run(model, ids, 4)
+                for _ in range(runs):
+                    local_prefill, local_tps, local_tokens = _local_run(model, ids, new_tokens)
+                    ttft, tps, swarm_tokens = await _swarm_run(leech, ids, new_tokens)
+                    same &= local_tokens == swarm_tokens
+                    rows.append(
+                        {
+                            "decode_tps": tps,
+                            "local_decode_tps": local_tps,
+                            "ratio": tps / local_tps,
+                            "prefill_ratio": local_prefill / ttft,
+                            "ttft_s": ttft,
+                            "local_prefill_s": local_prefill,
+                        }
+                    )
+                route = leech.swarm.plan()
+            report: dict[str, Any] = {
+                key: statistics.median(row[key] for row in rows) for key in rows[0]
+            }
+            report.update(
+                runs=runs,
+                new_tokens=new_tokens,
+                prompt_tokens=int(ids.shape[1]),
+                same_tokens_as_local=same,
+                route=[f"{hop.start}:{hop.end}@{hop.peer_id[-8:]}" for hop in route],
+                all_ratios=[row["ratio"] for row in rows],
+            )
+            return report
+
+        return trio.run(measure)
+    finally:
+        swarm.stop()

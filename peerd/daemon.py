@@ -1,0 +1,276 @@
+"""The peerd daemon: one trio process that owns the libp2p host, the DHT, the announcer, the
+block server and the swarm view, and shuts all of them down cleanly on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import trio
+
+import blocks
+from peerd import __version__
+from peerd.compute import ComputeQueue
+from peerd.identity import load_or_create_identity
+from peerd.p2p import (
+    INFERENCE_PROTOCOL,
+    INFO_PROTOCOL,
+    Node,
+    open_node,
+    parse_peer_maddr,
+    set_provider_record_ttl,
+)
+from peerd.server import BlockServer, ServerLimits
+from peerd.swarm import SwarmView
+from routing.block_selection import blocks_that_fit, choose_blocks
+
+log = logging.getLogger(__name__)
+
+# Fraction of free RAM a `--blocks auto` server gives to weights and KV cache when no
+# --memory-budget is set: the rest stays for the OS, torch's workspace and other programs.
+AUTO_MEMORY_FRACTION = 0.5
+# KV cache per server when not set: enough for a few long chats on the default model.
+DEFAULT_CACHE_TOKENS = 16384
+# How long SIGTERM waits for open sessions to finish before closing them.
+DRAIN_DEADLINE_S = 30.0
+
+
+class DaemonError(Exception):
+    """A setting the daemon cannot start with; the message says what to change."""
+
+
+@dataclass
+class DaemonConfig:
+    model: str = "default"
+    blocks: str | None = None  # None: serve nothing (a pure client); "auto", "N" or "a:b"
+    new_swarm: bool = False
+    initial_peers: list[str] = field(default_factory=list)
+    port: int = 0
+    host_maddrs: list[str] = field(default_factory=list)
+    identity: Path | None = None
+    throughput: str = "auto"
+    memory_budget: int | None = None
+    cache_tokens: int = DEFAULT_CACHE_TOKENS
+    refresh_period: float = 60.0
+    torch_threads: int | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
+
+    def listen_addrs(self) -> list[str]:
+        return self.host_maddrs or [f"/ip4/0.0.0.0/tcp/{self.port}"]
+
+
+def parse_blocks(text: str, num_blocks: int) -> tuple[str, int | None, int | None]:
+    """ "auto" | "N" | "a:b" -> (kind, n_or_start, end), with errors a person can act on."""
+    if text == "auto":
+        return ("auto", None, None)
+    if ":" in text:
+        a, _, b = text.partition(":")
+        try:
+            start, end = int(a), int(b)
+        except ValueError:
+            raise DaemonError(
+                f"--blocks {text}: expected auto, a count like 10, or a span like 0:10"
+            ) from None
+        if not 0 <= start < end <= num_blocks:
+            raise DaemonError(
+                f"--blocks {text}: the model has blocks 0:{num_blocks}; give a span a:b with "
+                f"0 <= a < b <= {num_blocks}"
+            )
+        return ("span", start, end)
+    try:
+        count = int(text)
+    except ValueError:
+        raise DaemonError(
+            f"--blocks {text}: expected auto, a count like 10, or a span like 0:10"
+        ) from None
+    if not 1 <= count <= num_blocks:
+        raise DaemonError(
+            f"--blocks {text}: the model has {num_blocks} blocks; serve 1 to {num_blocks}"
+        )
+    return ("count", count, None)
+
+
+def available_memory() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.checkpoint = blocks.resolve_checkpoint(config.model)
+        self.model = blocks.model_name(self.checkpoint)
+        self.model_config = blocks.load_config(self.checkpoint)
+        self.num_blocks = int(self.model_config.num_hidden_layers)
+        self.compute = ComputeQueue()
+        self.node: Node | None = None
+        self.swarm: SwarmView | None = None
+        self.server: BlockServer | None = None
+        self.started = trio.Event()
+        if config.blocks is not None:
+            self.blocks_spec = parse_blocks(config.blocks, self.num_blocks)
+
+    async def run(self, *, task_status: trio.TaskStatus[Daemon] = trio.TASK_STATUS_IGNORED) -> None:
+        config = self.config
+        if config.torch_threads:
+            torch.set_num_threads(config.torch_threads)
+        identity_path = config.identity or _default_identity_path()
+        key_pair = load_or_create_identity(identity_path)
+        # Our records are re-provided every period; keep them a few periods, not 48 h.
+        set_provider_record_ttl(3 * config.refresh_period)
+        async with open_node(key_pair, config.listen_addrs()) as node:
+            self.node = node
+            self.swarm = SwarmView(
+                node,
+                self.model,
+                self.num_blocks,
+                refresh_period=config.refresh_period,
+                own_record=lambda: self.server.record() if self.server else None,
+            )
+            for text in config.initial_peers:
+                await self._join(text)
+            async with trio.open_nursery() as nursery:
+                await self.swarm.refresh()
+                if config.blocks is not None:
+                    await self._start_serving(nursery)
+                nursery.start_soon(self.swarm.run)
+                self._print_banner()
+                self.started.set()
+                task_status.started(self)
+                nursery.start_soon(self._handle_signals, nursery.cancel_scope)
+
+    async def _join(self, text: str) -> None:
+        assert self.node is not None
+        peer = parse_peer_maddr(text)
+        try:
+            with trio.fail_after(10):
+                await self.node.connect(peer)
+        except Exception as e:
+            log.warning("could not reach initial peer %s: %s", text, e)
+
+    async def _start_serving(self, nursery: trio.Nursery) -> None:
+        assert self.node is not None and self.swarm is not None
+        config = self.config
+        kind, a, b = self.blocks_spec
+        if kind == "span":
+            assert a is not None and b is not None
+            start, end = a, b
+        else:
+            count = a if kind == "count" else self._blocks_that_fit()
+            assert count is not None
+            start, end = choose_blocks(self.swarm.snapshot(), count, own_throughput=1.0)
+        log.info("serving blocks %d:%d of %s", start, end, self.model)
+        server = BlockServer(
+            model=self.model,
+            start=start,
+            end=end,
+            compute=self.compute,
+            peer_id=self.node.peer_id.to_string(),
+            addrs=self.node.maddrs,
+            limits=config.limits,
+            record_ttl=2 * config.refresh_period,
+        )
+        self.server = server
+        self.node.host.set_stream_handler(INFO_PROTOCOL, server.handle_info)
+        # Announce while joining, so servers starting after us pick other blocks.
+        nursery.start_soon(self._announce_forever)
+        span = await trio.to_thread.run_sync(
+            blocks.load_span, self.checkpoint, start, end, torch.float32, "cpu"
+        )
+        cache = blocks.MemoryCache(budget_tokens=config.cache_tokens)
+        throughput = await self._throughput(span)
+        server.go_online(span, cache, throughput)
+        self.node.host.set_stream_handler(INFERENCE_PROTOCOL, server.handle_inference)
+        log.info("online: blocks %d:%d, %.1f tokens/s", start, end, throughput)
+
+    def _blocks_that_fit(self) -> int:
+        config = self.config
+        budget = config.memory_budget or int(available_memory() * AUTO_MEMORY_FRACTION)
+        width = int(self.model_config.hidden_size)
+        inter = int(getattr(self.model_config, "intermediate_size", 4 * width))
+        heads = int(self.model_config.num_attention_heads)
+        kv_heads = int(getattr(self.model_config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(self.model_config, "head_dim", None) or width // heads)
+        # Per block: attention (q, o and k, v projections) and a gated MLP, fp32.
+        params = 2 * width * width + 2 * width * kv_heads * head_dim + 3 * width * inter
+        bytes_per_block = 4 * params
+        cache_per_block = 4 * 2 * kv_heads * head_dim * config.cache_tokens
+        count = blocks_that_fit(budget, bytes_per_block, cache_per_block, self.num_blocks)
+        if count < 1:
+            raise DaemonError(
+                f"a memory budget of {budget / 2**20:.0f} MiB does not fit one block of "
+                f"{self.model} ({(bytes_per_block + cache_per_block) / 2**20:.0f} MiB with its "
+                "cache): raise --memory-budget or lower --cache-tokens"
+            )
+        return count
+
+    async def _throughput(self, span: blocks.Span) -> float:
+        if self.config.throughput != "auto":
+            return float(self.config.throughput)
+        measured = await self.compute.run(0, lambda: blocks.measure_throughput(span))
+        return float(measured.decode_tps)
+
+    async def _announce_forever(self) -> None:
+        assert self.swarm is not None and self.server is not None
+        while True:
+            await self.swarm.announce(range(self.server.start, self.server.end))
+            await trio.sleep(self.config.refresh_period * random.uniform(0.5, 0.8))
+
+    def _print_banner(self) -> None:
+        assert self.node is not None
+        lines = [f"peerd {__version__}: peer {self.node.peer_id.to_string()}"]
+        if self.server is not None:
+            lines.append(f"serving blocks {self.server.start}:{self.server.end} of {self.model}")
+        lines += [f"listening on {addr}" for addr in self.node.maddrs()]
+        print("\n".join(lines), flush=True)
+
+    async def _handle_signals(self, scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                log.info("received %s: draining", signal.Signals(signum).name)
+                await self.drain()
+                scope.cancel()
+                return
+
+    async def drain(self) -> None:
+        """Stop taking sessions, tell the swarm (our record says draining), and give open
+        sessions a deadline to finish."""
+        if self.server is None:
+            return
+        self.server.drain()
+        with trio.move_on_after(DRAIN_DEADLINE_S):
+            while self.server.open_sessions:
+                await trio.sleep(0.1)
+
+
+def _default_identity_path() -> Path:
+    from peerd.paths import state_dir
+
+    return state_dir() / "identity.key"
+
+
+def configure_logging(level: str) -> None:
+    """One format for us and py-libp2p; libp2p's chatter only at warning and above."""
+    import libp2p  # noqa: F401  (importing it resets its loggers: configure afterwards)
+
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+    for name in ("libp2p", "multiaddr", "async_service", "anyio"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def run(config: DaemonConfig) -> None:
+    daemon = Daemon(config)
+    trio.run(daemon.run)

@@ -1,0 +1,165 @@
+"""Token generation through the swarm: prefill, decode one token at a time, sample.
+
+The client holds the embeddings and LM head (blocks.ClientSide); the decoder blocks are remote,
+behind an InferenceSession. Every torch call runs in a worker thread so the event loop keeps
+serving streams while we compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from blocks import ClientSide
+from peerd.inference import InferenceSession
+from peerd.swarm import SwarmView
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token; the defaults are greedy decoding."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[batch, vocab] logits -> probabilities after temperature, top-k and top-p."""
+    logits = logits / params.temperature
+    if params.top_k:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        # Drop a token when the tokens before it already reach top_p (the first always stays).
+        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def apply_repetition_penalty(
+    logits: torch.Tensor, token_ids: torch.Tensor, penalty: float
+) -> torch.Tensor:
+    """CTRL-style penalty (as transformers applies it) on tokens already in the sequence."""
+    if penalty == 1.0:
+        return logits
+    seen = torch.gather(logits, -1, token_ids)
+    seen = torch.where(seen < 0, seen * penalty, seen / penalty)
+    return logits.scatter(-1, token_ids, seen)
+
+
+def sample(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """[batch, vocab] logits of the last position -> [batch, 1] next token ids."""
+    logits = apply_repetition_penalty(logits.float(), token_ids, params.repetition_penalty)
+    if not params.do_sample:
+        return logits.argmax(dim=-1, keepdim=True)
+    probs = logits_to_probs(logits, params)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+class Generator:
+    """Generates tokens for prompts, running the blocks through the swarm."""
+
+    def __init__(self, client: ClientSide, swarm: SwarmView) -> None:
+        self.client = client
+        self.swarm = swarm
+
+    def _next_token(
+        self,
+        hidden: torch.Tensor,
+        token_ids: torch.Tensor,
+        params: SamplingParams,
+        generator: torch.Generator,
+    ) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = self.client.logits(hidden[:, -1])
+            return sample(logits, token_ids, params, generator)
+
+    def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.client.embed(token_ids)
+
+    async def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        params: SamplingParams | None = None,
+        *,
+        session: InferenceSession | None = None,
+        eos_token_ids: Sequence[int] = (),
+    ) -> AsyncIterator[torch.Tensor]:
+        """Yield [batch, 1] token ids one step at a time (stops early when every row hit EOS).
+
+        With `session`, the prompt continues that session's sequence (a new chat turn);
+        otherwise a session sized for prompt + max_new_tokens is opened and closed here.
+        """
+        params = params or SamplingParams()
+        generator = torch.Generator()
+        if params.seed is not None:
+            generator.manual_seed(params.seed)
+        if session is None:
+            async with InferenceSession(
+                self.swarm,
+                max_length=input_ids.shape[1] + max_new_tokens,
+                batch_size=input_ids.shape[0],
+            ) as own:
+                async for token in self._decode(
+                    own, input_ids, max_new_tokens, params, generator, eos_token_ids
+                ):
+                    yield token
+        else:
+            async for token in self._decode(
+                session, input_ids, max_new_tokens, params, generator, eos_token_ids
+            ):
+                yield token
+
+    async def _decode(
+        self,
+        session: InferenceSession,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator,
+        eos_token_ids: Sequence[int],
+    ) -> AsyncIterator[torch.Tensor]:
+        token_ids = input_ids
+        step_input = input_ids
+        finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        eos = torch.tensor(list(eos_token_ids), dtype=torch.long)
+        for _ in range(max_new_tokens):
+            hidden = await trio.to_thread.run_sync(self._embed, step_input)
+            hidden = await session.step(hidden)
+            token = await trio.to_thread.run_sync(
+                self._next_token, hidden, token_ids, params, generator
+            )
+            yield token
+            token_ids = torch.cat([token_ids, token], dim=1)
+            step_input = token
+            if len(eos):
+                finished |= torch.isin(token[:, 0], eos)
+                if bool(finished.all()):
+                    return

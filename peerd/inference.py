@@ -1,0 +1,250 @@
+"""Client side of distributed inference: one session over a chain of servers that survives the
+death of any of them.
+
+Each hop is one libp2p stream to one server holding a KV cache for blocks [start, end). The
+client remembers every input it sent into each block boundary; when a hop fails, it bans the
+server, plans a replacement for the failed blocks, replays the remembered inputs to rebuild the
+replacement's cache, and carries on. The caller sees a slower step, never an error, as long as
+some server holds each block.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+import trio
+from libp2p.peer.id import ID
+
+import wire
+from peerd.p2p import INFERENCE_PROTOCOL
+from peerd.streams import MessageStream, PeerGone
+from peerd.swarm import SwarmView
+from routing.planner import NoRouteError, RouteHop, format_route
+
+log = logging.getLogger(__name__)
+
+# A step of a 135M-parameter span answers in well under a second; a long prefill on a slow
+# volunteer can take longer. Past this the hop counts as failed and is replaced.
+STEP_TIMEOUT_S = 60.0
+OPEN_TIMEOUT_S = 10.0
+# How long to wait for the swarm to offer a route (servers may be restarting) before failing.
+ROUTE_WAIT_S = 30.0
+MAX_HOP_FAILURES = 8
+
+
+class InferenceFailed(Exception):
+    """The swarm could not finish a step: no server is left for some blocks, or too many failed."""
+
+
+@dataclass
+class HopSession:
+    """An open session on one server for blocks [start, end)."""
+
+    hop: RouteHop
+    stream: MessageStream
+    session_id: str
+    step_ids: itertools.count = field(default_factory=itertools.count)
+
+    @property
+    def peer_id(self) -> str:
+        return self.hop.peer_id
+
+    async def step(self, hidden: torch.Tensor, codec: str) -> torch.Tensor:
+        step_id = next(self.step_ids)
+        await self.stream.send(
+            wire.Step(session_id=self.session_id, step_id=step_id, hidden_states=hidden), codec
+        )
+        reply = await self.stream.receive(STEP_TIMEOUT_S)
+        if isinstance(reply, wire.Error):
+            raise PeerGone(f"{self.peer_id} refused the step: {reply.message}")
+        if not isinstance(reply, wire.StepResult) or reply.step_id != step_id:
+            raise PeerGone(f"{self.peer_id} answered step {step_id} with {reply!r:.80}")
+        return reply.hidden_states
+
+    async def close(self) -> None:
+        try:
+            with trio.move_on_after(1):
+                await self.stream.send(wire.CloseSession(session_id=self.session_id))
+        except PeerGone:
+            pass
+        await self.stream.close()
+
+
+class InferenceSession:
+    """Hidden states in, hidden states out, through every block of the model, with KV caches kept
+    on the servers between steps. Use as `async with InferenceSession(...) as session:`."""
+
+    def __init__(
+        self,
+        swarm: SwarmView,
+        *,
+        max_length: int,
+        batch_size: int = 1,
+        codec: str = "raw",
+    ) -> None:
+        self.swarm = swarm
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.codec = codec
+        self.hops: list[HopSession] = []
+        # inputs[b]: every hidden state sent into block b so far, concatenated over positions.
+        self._inputs: dict[int, torch.Tensor] = {}
+        self.position = 0
+        self.failures = 0
+        self.recoveries: list[dict[str, object]] = []
+
+    async def __aenter__(self) -> InferenceSession:
+        await self._open_route(0, self.swarm.num_blocks)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        with trio.CancelScope(shield=True):
+            for hop in self.hops:
+                await hop.close()
+        self.hops = []
+
+    @property
+    def route(self) -> list[RouteHop]:
+        return [h.hop for h in self.hops]
+
+    def describe_route(self) -> str:
+        return format_route(tuple(self.route))
+
+    async def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Run [batch, tokens, hidden] through all blocks, extending every server's cache."""
+        if hidden.shape[0] != self.batch_size:
+            raise ValueError(
+                f"this session has batch size {self.batch_size}, got {hidden.shape[0]}"
+            )
+        if self.position + hidden.shape[1] > self.max_length:
+            raise ValueError(
+                f"this step would reach {self.position + hidden.shape[1]} tokens, past the "
+                f"session's max_length of {self.max_length}"
+            )
+        i = 0
+        while i < len(self.hops):
+            hop = self.hops[i]
+            try:
+                output = await hop.step(hidden, self.codec)
+            except (PeerGone, wire.ProtocolError) as e:
+                await self._replace(i, e)
+                continue  # the replacement hops start at the same block: retry with `hidden`
+            self._remember(hop.hop.start, hidden)
+            self.swarm.report_success(hop.peer_id)
+            hidden = output
+            i += 1
+        self.position += hidden.shape[1]
+        return hidden
+
+    def _remember(self, block: int, hidden: torch.Tensor) -> None:
+        past = self._inputs.get(block)
+        self._inputs[block] = hidden if past is None else torch.cat([past, hidden], dim=1)
+
+    async def _replace(self, index: int, error: Exception) -> None:
+        """Swap the failed hop at `index` for fresh hops over the same blocks, with their caches
+        rebuilt from the remembered inputs."""
+        failed = self.hops[index]
+        started = time.perf_counter()
+        self.failures += 1
+        log.warning(
+            "server %s failed on blocks %d:%d (%s); re-routing",
+            failed.peer_id,
+            failed.hop.start,
+            failed.hop.end,
+            error,
+        )
+        self.swarm.report_failure(failed.peer_id)
+        if self.failures > MAX_HOP_FAILURES:
+            raise InferenceFailed(
+                f"{self.failures} servers failed during this generation; giving up: {error}"
+            )
+        with trio.CancelScope(shield=True):
+            await failed.close()
+        start, end = failed.hop.start, failed.hop.end
+        new_hops = await self._open_hops(start, end)
+        history = self._inputs.get(start)
+        if history is not None:
+            hidden = history
+            for hop in new_hops:
+                if hop.hop.start != start:
+                    self._inputs[hop.hop.start] = hidden
+                hidden = await hop.step(hidden, self.codec)
+        self.hops[index : index + 1] = new_hops
+        self.recoveries.append(
+            {
+                "failed_peer": failed.peer_id,
+                "blocks": (start, end),
+                "replacement": [h.peer_id for h in new_hops],
+                "replayed_tokens": 0 if history is None else int(history.shape[1]),
+                "seconds": time.perf_counter() - started,
+            }
+        )
+
+    async def _open_route(self, start: int, end: int) -> None:
+        self.hops = await self._open_hops(start, end)
+
+    async def _open_hops(self, start: int, end: int) -> list[HopSession]:
+        """Plan [start, end) and open a session on each hop, re-planning around servers that
+        refuse or fail to open, until a route opens or no server is left."""
+        deadline = trio.current_time() + ROUTE_WAIT_S
+        while True:
+            try:
+                route = self.swarm.plan(
+                    start, end, min_free_cache_tokens=self.batch_size * self.max_length
+                )
+            except NoRouteError as e:
+                if trio.current_time() > deadline:
+                    raise InferenceFailed(str(e)) from e
+                await self.swarm.refresh()
+                await trio.sleep(0.2)
+                continue
+            opened: list[HopSession] = []
+            try:
+                for hop in route:
+                    opened.append(await self._open_hop(hop))
+                return opened
+            except (PeerGone, wire.ProtocolError, OSError, Exception) as e:
+                bad = route[len(opened)].peer_id
+                log.warning("could not open a session on %s: %s", bad, e)
+                self.swarm.report_failure(bad)
+                with trio.CancelScope(shield=True):
+                    for hop_session in opened:
+                        await hop_session.close()
+                if trio.current_time() > deadline:
+                    raise InferenceFailed(
+                        f"could not open a route over blocks {start}:{end}: {e}"
+                    ) from e
+
+    async def _open_hop(self, hop: RouteHop) -> HopSession:
+        peer = ID.from_base58(hop.peer_id)
+        with trio.fail_after(OPEN_TIMEOUT_S):
+            raw = await self.swarm.node.host.new_stream(peer, [INFERENCE_PROTOCOL])
+        stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
+        session_id = uuid.uuid4().hex
+        await stream.send(
+            wire.OpenSession(
+                session_id=session_id,
+                model=self.swarm.model,
+                start=hop.start,
+                end=hop.end,
+                max_length=self.max_length,
+                batch_size=self.batch_size,
+                reply_compression=self.codec,
+            )
+        )
+        reply = await stream.receive(OPEN_TIMEOUT_S)
+        if isinstance(reply, wire.Error):
+            await stream.close()
+            raise PeerGone(f"{hop.peer_id} refused the session: {reply.message}")
+        if not isinstance(reply, wire.SessionOpened):
+            await stream.close()
+            raise wire.ProtocolError(f"expected SessionOpened, got {type(reply).__name__}")
+        return HopSession(hop=hop, stream=stream, session_id=session_id)

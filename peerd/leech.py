@@ -1,0 +1,58 @@
+"""A leeching node for programs that generate without serving: a libp2p host in DHT client
+mode, the swarm view of one model and the client-side model pieces, in one context manager."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+import blocks
+from peerd.generation import Generator
+from peerd.p2p import Node, open_node, parse_peer_maddr
+from peerd.swarm import SwarmView
+from routing.planner import NoRouteError, plan_route
+
+
+@dataclass
+class Leech:
+    node: Node
+    swarm: SwarmView
+    client: blocks.ClientSide
+    generator: Generator
+
+
+def covered(snapshot: object) -> bool:
+    try:
+        plan_route(snapshot)  # type: ignore[arg-type]
+    except NoRouteError:
+        return False
+    return True
+
+
+@asynccontextmanager
+async def open_leech(
+    model: str,
+    initial_peers: Sequence[str],
+    *,
+    refresh_period: float = 5.0,
+    wait_for_coverage_s: float = 60.0,
+) -> AsyncIterator[Leech]:
+    """Join the swarm through `initial_peers` and wait until every block of `model` is served."""
+    checkpoint = blocks.resolve_checkpoint(model)
+    client = await trio.to_thread.run_sync(blocks.load_client_side, checkpoint)
+    num_blocks = int(client.config.num_hidden_layers)
+    async with open_node(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], dht_server=False) as node:
+        for text in initial_peers:
+            with trio.fail_after(10):
+                await node.connect(parse_peer_maddr(text))
+        swarm = SwarmView(node, client.model, num_blocks, refresh_period=refresh_period)
+        if not await swarm.wait_for(covered, wait_for_coverage_s):
+            plan_route(swarm.snapshot())  # raises NoRouteError naming the missing blocks
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(swarm.run)
+            yield Leech(node, swarm, client, Generator(client, swarm))
+            nursery.cancel_scope.cancel()

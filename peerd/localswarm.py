@@ -1,0 +1,140 @@
+"""A swarm of real `peerd start` daemons as separate processes on 127.0.0.1, for `peerd demo`,
+the benchmarks and the multi-process tests, stopped however the caller needs (SIGTERM, kill -9)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class DaemonProcess:
+    name: str
+    args: list[str]
+    identity: Path
+    log_path: Path
+    process: subprocess.Popen[str] | None = None
+    peer_id: str = ""
+    maddrs: list[str] = field(default_factory=list)
+    span: tuple[int, int] | None = None
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def maddr(self) -> str:
+        return next(a for a in self.maddrs if "/ip4/127.0.0.1/" in a)
+
+    def start(self, timeout: float = 180.0) -> DaemonProcess:
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+        log = open(self.log_path, "a")  # noqa: SIM115 (closed when the process ends)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "cli", "start", *self.args, "--identity", str(self.identity)],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+        ready = threading.Event()
+
+        def read_banner() -> None:
+            assert self.process is not None and self.process.stdout is not None
+            for line in self.process.stdout:
+                self.output.append(line.rstrip("\n"))
+                if m := re.match(r"peerd \S+: peer (\S+)", line):
+                    self.peer_id = m.group(1)
+                elif m := re.match(r"serving blocks (\d+):(\d+)", line):
+                    self.span = (int(m.group(1)), int(m.group(2)))
+                elif line.startswith("listening on "):
+                    self.maddrs.append(line.split()[-1])
+                    ready.set()
+
+        threading.Thread(target=read_banner, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.2):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"daemon {self.name} did not start (exit {self.process.poll()}):\n"
+                    + self.log_path.read_text()[-3000:]
+                )
+        time.sleep(0.2)  # let the remaining banner lines arrive
+        return self
+
+    def kill(self) -> None:
+        """kill -9: no goodbye, the peer just vanishes."""
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(10)
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+class LocalSwarm:
+    """Daemons of one test; the first one started with --new-swarm is everyone's initial peer."""
+
+    def __init__(
+        self,
+        workdir: Path | None = None,
+        refresh_period: float = 2.0,
+        torch_threads: int = 1,
+        throughput: str = "20",
+    ) -> None:
+        self.workdir = workdir or Path(tempfile.mkdtemp(prefix="peerd-swarm-"))
+        self.refresh_period = refresh_period
+        # Tests pass a fixed throughput: measuring it costs seconds per daemon and the planner
+        # only compares servers of one test with each other.
+        self.torch_threads = torch_threads
+        self.throughput = throughput
+        self.daemons: list[DaemonProcess] = []
+
+    @property
+    def initial_peers(self) -> list[str]:
+        return [self.daemons[0].maddr] if self.daemons else []
+
+    def start(
+        self, name: str, blocks: str, *extra: str, identity: str | None = None
+    ) -> DaemonProcess:
+        peers = self.initial_peers
+        join = ["--initial-peers", peers[0]] if peers else ["--new-swarm"]
+        args = [
+            "--blocks",
+            blocks,
+            *join,
+            "--host-maddrs",
+            "/ip4/127.0.0.1/tcp/0",
+            "--refresh-period",
+            str(self.refresh_period),
+            "--torch-threads",
+            str(self.torch_threads),
+            "--throughput",
+            self.throughput,
+            *extra,
+        ]
+        daemon = DaemonProcess(
+            name=name,
+            args=args,
+            identity=self.workdir / f"{identity or name}.key",
+            log_path=self.workdir / f"{name}.log",
+        )
+        self.daemons.append(daemon)
+        return daemon.start()
+
+    def stop(self) -> None:
+        for daemon in self.daemons:
+            daemon.kill()

@@ -1,0 +1,109 @@
+"""The libp2p node of a daemon: a host pinned to Noise + yamux, its Kademlia DHT, and the peer
+protocol ids. Every quirk of py-libp2p 0.8.1 that we work around lives here (see
+../shared/notes/libp2p.md)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import multiaddr
+from libp2p import new_host
+from libp2p.abc import IHost
+from libp2p.crypto.keys import KeyPair
+from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
+from libp2p.custom_types import TProtocol
+from libp2p.kad_dht import provider_store
+from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.tools.anyio_service import background_trio_service
+
+log = logging.getLogger(__name__)
+
+INFO_PROTOCOL = TProtocol("/peerd/info/1.0.0")
+INFERENCE_PROTOCOL = TProtocol("/peerd/inference/1.0.0")
+FORWARD_PROTOCOL = TProtocol("/peerd/forward/1.0.0")
+
+
+class BadMultiaddr(ValueError):
+    """A multiaddr given by a person that cannot be dialled."""
+
+
+def parse_peer_maddr(text: str) -> PeerInfo:
+    """Parse `/ip4/1.2.3.4/tcp/31337/p2p/12D3Koo...` into a PeerInfo, with an error that says
+    what a valid address looks like."""
+    try:
+        return info_from_p2p_addr(multiaddr.Multiaddr(text))
+    except Exception as e:
+        raise BadMultiaddr(
+            f"cannot use {text!r} as a peer address ({e}); expected a full multiaddr such as "
+            "/ip4/203.0.113.7/tcp/31337/p2p/12D3KooW... as printed by `peerd start`"
+        ) from e
+
+
+def set_provider_record_ttl(seconds: float) -> None:
+    """py-libp2p keeps provider records 48 h and has no un-provide, so a dead server would stay
+    listed for two days. Our records are re-provided every refresh period; keeping them a few
+    periods makes dead servers fall out of the DHT quickly (notes/libp2p.md, pitfall 6)."""
+    provider_store.PROVIDER_RECORD_EXPIRATION_INTERVAL = seconds  # type: ignore[misc]
+
+
+def make_host(key_pair: KeyPair, listen_addrs: Sequence[multiaddr.Multiaddr]) -> IHost:
+    """A host that speaks only Noise (plaintext and secio dialers are refused) and only yamux
+    (mplex loses data), with one connection per peer (avoids a 250 ms happy-eyeballs stall)."""
+    noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
+    return new_host(
+        key_pair=key_pair,
+        sec_opt={NOISE_PROTOCOL_ID: noise},
+        muxer_preference="YAMUX",
+        listen_addrs=list(listen_addrs),
+        connection_config=ConnectionConfig(max_connections_per_peer=1),
+    )
+
+
+@dataclass
+class Node:
+    """A running host and DHT."""
+
+    host: IHost
+    dht: KadDHT
+
+    @property
+    def peer_id(self) -> ID:
+        return self.host.get_id()
+
+    def maddrs(self) -> list[str]:
+        """Full dialable multiaddrs, ending in /p2p/<peer id>."""
+        pid = self.peer_id.to_string()
+        out = []
+        for addr in self.host.get_addrs():
+            text = str(addr)
+            out.append(text if "/p2p/" in text else f"{text}/p2p/{pid}")
+        return out
+
+    async def connect(self, peer: PeerInfo) -> None:
+        self.host.get_peerstore().add_addrs(peer.peer_id, peer.addrs, 3600)
+        await self.host.connect(peer)
+        await self.dht.add_peer(peer.peer_id)
+
+
+@asynccontextmanager
+async def open_node(
+    key_pair: KeyPair,
+    listen_addrs: Sequence[str],
+    *,
+    dht_server: bool = True,
+) -> AsyncIterator[Node]:
+    addrs = [multiaddr.Multiaddr(a) for a in listen_addrs]
+    host = make_host(key_pair, addrs)
+    async with host.run(addrs):
+        # The DHT exists before any peer identifies us (notes/libp2p.md, pitfall 8).
+        dht = KadDHT(host, DHTMode.SERVER if dht_server else DHTMode.CLIENT)
+        async with background_trio_service(dht):
+            yield Node(host, dht)

@@ -1,0 +1,299 @@
+"""The block server: serves one span of a model to anyone over the info and inference protocols.
+
+It never runs code from the network: only its own blocks' forward, on tensors whose sizes it has
+checked against its limits before allocating anything for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import trio
+from libp2p.abc import INetStream
+
+import wire
+from blocks import CacheFull, MemoryCache, Span, SpanSession
+from peerd import __version__
+from peerd.compute import PRIORITY_INFERENCE, ComputeQueue
+from peerd.streams import MessageStream, PeerGone
+from routing.records import ServerRecord, ServerState
+
+log = logging.getLogger(__name__)
+
+# A session that sends nothing for this long is closed and its cache freed: a client that went
+# away without closing must not hold cache forever. Clients step far more often than this.
+SESSION_IDLE_TIMEOUT_S = 300.0
+# Time a client gets to send its first message after opening a stream.
+OPEN_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask of this server; checked before any allocation."""
+
+    max_frame_size: int = wire.DEFAULT_MAX_FRAME_SIZE
+    max_batch_size: int = 8
+    max_session_length: int = 8192
+    max_sessions_per_peer: int = 16
+
+
+@dataclass
+class ServerCounters:
+    sessions_opened: int = 0
+    sessions_refused: int = 0
+    steps: int = 0
+    tokens_processed: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def error(self, code: str) -> None:
+        self.errors[code] = self.errors.get(code, 0) + 1
+
+
+def record_to_info(record: ServerRecord) -> wire.ServerInfo:
+    """Our record as the wire's ServerInfo (expiry is the receiver's business: clocks differ)."""
+    fields = record.to_dict()
+    del fields["updated_at"], fields["expires_at"]
+    return wire.ServerInfo.from_dict(fields)
+
+
+def info_to_record(info: wire.ServerInfo) -> ServerRecord:
+    """A received ServerInfo as a routing record; ValueError if it does not make sense."""
+    return ServerRecord.from_dict(info.to_dict())
+
+
+class BlockServer:
+    """Serves `span` (blocks span.start..span.end-1 of `model`) with KV caches from `cache`."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        start: int,
+        end: int,
+        compute: ComputeQueue,
+        peer_id: str,
+        addrs: Callable[[], list[str]],
+        limits: ServerLimits | None = None,
+        record_ttl: float = math.inf,
+    ) -> None:
+        self.model = model
+        self._start, self._end = start, end
+        self.compute = compute
+        self.peer_id = peer_id
+        self.addrs = addrs
+        self.limits = limits or ServerLimits()
+        self.record_ttl = record_ttl
+        self.state = ServerState.JOINING
+        self.counters = ServerCounters()
+        self.span: Span | None = None
+        self.cache: MemoryCache | None = None
+        self.throughput = 0.0
+        self.hidden_size = 0
+        self._sessions_by_peer: dict[str, int] = {}
+        self._open_sessions: set[trio.CancelScope] = set()
+        self._subspans: dict[tuple[int, int], Span] = {}
+
+    def go_online(self, span: Span, cache: MemoryCache, throughput: float) -> None:
+        """Start taking sessions: the span is loaded and its speed known."""
+        if (span.start, span.end) != (self._start, self._end):
+            raise ValueError(
+                f"loaded blocks {span.start}:{span.end}, announced {self.start}:{self.end}"
+            )
+        self.span, self.cache, self.throughput = span, cache, throughput
+        self.hidden_size = int(span.config.hidden_size)
+        self.state = ServerState.ONLINE
+
+    @property
+    def start(self) -> int:
+        return self._start
+
+    @property
+    def end(self) -> int:
+        return self._end
+
+    def record(self) -> ServerRecord:
+        now = time.time()
+        return ServerRecord(
+            peer_id=self.peer_id,
+            model=self.model,
+            start=self.start,
+            end=self.end,
+            throughput=self.throughput,
+            free_cache_tokens=self.cache.free_tokens if self.cache is not None else 0,
+            state=self.state,
+            version=__version__,
+            addrs=tuple(self.addrs()),
+            relayed=False,
+            updated_at=now,
+            expires_at=now + self.record_ttl,
+        )
+
+    @property
+    def open_sessions(self) -> int:
+        return len(self._open_sessions)
+
+    # --- info -------------------------------------------------------------------------------
+
+    async def handle_info(self, stream: INetStream) -> None:
+        messages = MessageStream(stream, self.limits.max_frame_size)
+        try:
+            await messages.receive_as(wire.InfoRequest, OPEN_TIMEOUT_S)
+            await messages.send(wire.InfoResponse(record=record_to_info(self.record())))
+        except wire.ProtocolError as e:
+            await self._refuse(messages, "bad_request", str(e))
+        except PeerGone:
+            pass
+        finally:
+            await messages.close()
+
+    # --- inference --------------------------------------------------------------------------
+
+    async def handle_inference(self, stream: INetStream) -> None:
+        """One stream = one session: OpenSession, then Step* (each answered by a StepResult),
+        then CloseSession or the stream's end. Any error ends the session with an Error reply
+        and frees its cache; other sessions are untouched."""
+        messages = MessageStream(stream, self.limits.max_frame_size)
+        peer = messages.remote_peer
+        try:
+            request = await messages.receive_as(wire.OpenSession, OPEN_TIMEOUT_S)
+            self._check_open(request, peer)
+            assert self.cache is not None  # _check_open refuses sessions until we are online
+            try:
+                session = self.cache.open_session(request.batch_size, request.max_length)
+            except CacheFull as e:
+                self.counters.sessions_refused += 1
+                await self._refuse(messages, "cache_full", str(e))
+                return
+            self._sessions_by_peer[peer] = self._sessions_by_peer.get(peer, 0) + 1
+            self.counters.sessions_opened += 1
+            try:
+                with session, trio.CancelScope() as scope:
+                    self._open_sessions.add(scope)
+                    await messages.send(
+                        wire.SessionOpened(
+                            session_id=request.session_id, max_length=request.max_length
+                        )
+                    )
+                    await self._serve_steps(messages, request, session)
+            finally:
+                self._open_sessions.discard(scope)
+                self._sessions_by_peer[peer] -= 1
+                if not self._sessions_by_peer[peer]:
+                    del self._sessions_by_peer[peer]
+        except wire.ProtocolError as e:
+            await self._refuse(messages, "bad_request", str(e))
+        except PeerGone as e:
+            log.debug("session from %s ended: %s", peer, e)
+        finally:
+            await messages.close()
+
+    def _check_open(self, request: wire.OpenSession, peer: str) -> None:
+        if request.model != self.model:
+            raise wire.ProtocolError(
+                f"this server serves model {self.model!r}, not {request.model!r}"
+            )
+        if not (self.start <= request.start < request.end <= self.end):
+            raise wire.ProtocolError(
+                f"this server holds blocks {self.start}:{self.end} of {self.model}; it cannot run "
+                f"blocks {request.start}:{request.end}"
+            )
+        if self.state is not ServerState.ONLINE:
+            raise wire.ProtocolError(f"this server is {self.state.value} and takes no new sessions")
+        if request.batch_size > self.limits.max_batch_size:
+            raise wire.ProtocolError(
+                f"batch_size {request.batch_size} exceeds this server's limit of "
+                f"{self.limits.max_batch_size}"
+            )
+        if request.max_length > self.limits.max_session_length:
+            raise wire.ProtocolError(
+                f"max_length {request.max_length} exceeds this server's limit of "
+                f"{self.limits.max_session_length} tokens"
+            )
+        if self._sessions_by_peer.get(peer, 0) >= self.limits.max_sessions_per_peer:
+            raise wire.ProtocolError(
+                f"peer {peer} already has {self.limits.max_sessions_per_peer} open sessions here; "
+                "close one first"
+            )
+
+    async def _serve_steps(
+        self, messages: MessageStream, request: wire.OpenSession, session: SpanSession
+    ) -> None:
+        while True:
+            message = await messages.receive(SESSION_IDLE_TIMEOUT_S)
+            if isinstance(message, wire.CloseSession):
+                return
+            if not isinstance(message, wire.Step):
+                raise wire.ProtocolError(
+                    f"expected Step or CloseSession in a session, got {type(message).__name__}"
+                )
+            hidden = self._check_step(message, request, session)
+            if message.start_position is not None:
+                session.rollback(message.start_position)
+            span = self._span_for(request.start, request.end)
+            output = await self.compute.run(
+                PRIORITY_INFERENCE, self._forward, span, hidden, session
+            )
+            self.counters.steps += 1
+            self.counters.tokens_processed += hidden.shape[0] * hidden.shape[1]
+            await messages.send(
+                wire.StepResult(
+                    session_id=request.session_id, step_id=message.step_id, hidden_states=output
+                ),
+                request.reply_compression,
+            )
+
+    def _check_step(
+        self, message: wire.Step, request: wire.OpenSession, session: SpanSession
+    ) -> torch.Tensor:
+        hidden = message.hidden_states
+        shape = tuple(hidden.shape)
+        if len(shape) != 3 or shape[0] != request.batch_size or shape[2] != self.hidden_size:
+            raise wire.ProtocolError(
+                f"hidden_states must have shape [{request.batch_size}, tokens, "
+                f"{self.hidden_size}], got {list(shape)}"
+            )
+        position = session.position
+        if message.start_position is not None:
+            if message.start_position > position:
+                raise wire.ProtocolError(
+                    f"start_position {message.start_position} is past the session's "
+                    f"{position} cached tokens"
+                )
+            position = message.start_position
+        if position + shape[1] > request.max_length:
+            raise wire.ProtocolError(
+                f"this step would bring the session to {position + shape[1]} tokens, past its "
+                f"max_length of {request.max_length}; open a session with a larger max_length"
+            )
+        return hidden
+
+    def _span_for(self, start: int, end: int) -> Span:
+        """The loaded span, or a view of some of its blocks (sharing their weights) when a route
+        uses only part of what this server holds."""
+        assert self.span is not None
+        if (start, end) == (self.start, self.end):
+            return self.span
+        if (start, end) not in self._subspans:
+            self._subspans[(start, end)] = self.span.sub_span(start, end)
+        return self._subspans[(start, end)]
+
+    @staticmethod
+    def _forward(span: Span, hidden: torch.Tensor, session: SpanSession) -> torch.Tensor:
+        with torch.inference_mode():
+            return span.forward(hidden, session)
+
+    async def _refuse(self, messages: MessageStream, code: str, text: str) -> None:
+        self.counters.error(code)
+        log.info("refused a request from %s: %s", messages.remote_peer, text)
+        with contextlib.suppress(PeerGone):
+            await messages.send(wire.Error(code=code, message=text))
+
+    def drain(self) -> None:
+        """Take no new sessions; open ones go on until they end or the daemon stops."""
+        self.state = ServerState.DRAINING

@@ -1,0 +1,103 @@
+"""Fast tests of the daemon's own pieces: identity, compute queue, flag parsing, DHT keys."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+
+from peerd.compute import PRIORITY_INFERENCE, PRIORITY_TRAINING, ComputeQueue
+from peerd.daemon import DaemonError, parse_blocks
+from peerd.identity import IdentityError, load_or_create_identity, peer_id_of
+from peerd.p2p import BadMultiaddr, parse_peer_maddr
+from peerd.swarm import block_key
+
+
+def test_identity_persists_with_private_mode(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "id.key"
+    first = peer_id_of(load_or_create_identity(path))
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert peer_id_of(load_or_create_identity(path)) == first
+    other = peer_id_of(load_or_create_identity(tmp_path / "other.key"))
+    assert other != first
+
+
+def test_corrupt_identity_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "id.key"
+    path.write_bytes(b"short")
+    with pytest.raises(IdentityError, match="remove it"):
+        load_or_create_identity(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("auto", ("auto", None, None)), ("10", ("count", 10, None)), ("3:7", ("span", 3, 7))],
+)
+def test_parse_blocks(text: str, expected: tuple[str, int | None, int | None]) -> None:
+    assert parse_blocks(text, 30) == expected
+
+
+@pytest.mark.parametrize("text", ["0:31", "5:5", "x", "0", "31", "a:b", "-1:3"])
+def test_parse_blocks_rejects_with_advice(text: str) -> None:
+    with pytest.raises(DaemonError, match="--blocks"):
+        parse_blocks(text, 30)
+
+
+def test_bad_multiaddr_says_what_a_good_one_looks_like() -> None:
+    with pytest.raises(BadMultiaddr, match="/p2p/"):
+        parse_peer_maddr("/ip4/127.0.0.1/tcp/1")
+
+
+def test_block_keys_are_distinct_multihashes() -> None:
+    keys = {block_key("m", i) for i in range(30)} | {block_key("n", 0)}
+    assert len(keys) == 31
+    assert all(bytes.fromhex(k)[:2] == b"\x12\x20" and len(bytes.fromhex(k)) == 34 for k in keys)
+
+
+async def test_compute_queue_runs_one_job_at_a_time_inference_first() -> None:
+    queue = ComputeQueue()
+    order: list[str] = []
+    running = 0
+    overlap = False
+    lock = threading.Lock()
+    gate = threading.Event()
+
+    def job(name: str) -> str:
+        nonlocal running, overlap
+        with lock:
+            running += 1
+            overlap |= running > 1
+        if name == "first":
+            gate.wait(5)
+        order.append(name)
+        with lock:
+            running -= 1
+        return name
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.run, PRIORITY_TRAINING, job, "first")
+        await trio.sleep(0.05)
+        nursery.start_soon(queue.run, PRIORITY_TRAINING, job, "train")
+        await trio.sleep(0.05)
+        nursery.start_soon(queue.run, PRIORITY_INFERENCE, job, "infer")
+        await trio.sleep(0.05)
+        gate.set()
+    assert order == ["first", "infer", "train"]
+    assert not overlap
+    assert queue.depth == 0 and queue.jobs_done == 3
+
+
+async def test_compute_queue_survives_a_cancelled_waiter() -> None:
+    queue = ComputeQueue()
+    gate = threading.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.run, PRIORITY_INFERENCE, gate.wait, 5)
+        await trio.sleep(0.05)
+        with trio.move_on_after(0.05):
+            await queue.run(PRIORITY_INFERENCE, lambda: None)
+        gate.set()
+    assert await queue.run(PRIORITY_INFERENCE, lambda: 7) == 7

@@ -1,0 +1,228 @@
+"""The swarm end to end: real `peerd start` daemons in separate processes on 127.0.0.1 serving
+the default model, and a leeching client in the test process."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+import trio
+from libp2p.peer.id import ID
+
+import blocks
+import wire
+from peerd.inference import InferenceSession
+from peerd.leech import open_leech
+from peerd.localswarm import LocalSwarm
+from peerd.p2p import INFERENCE_PROTOCOL
+from peerd.streams import MessageStream
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+PROMPT = "Once upon a time, there was a little"
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict[int, list[int]]:
+    """Greedy continuations of PROMPT by plain transformers on the whole model, by length."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = blocks.resolve_checkpoint("default")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=40, do_sample=False)
+    return {"ids": ids[0].tolist(), "new": out[0, ids.shape[1] :].tolist()}  # type: ignore[dict-item]
+
+
+@pytest.fixture(scope="module")
+def three_servers() -> Iterator[LocalSwarm]:
+    swarm = LocalSwarm()
+    try:
+        swarm.start("a", "0:10")
+        swarm.start("b", "10:20")
+        swarm.start("c", "20:30")
+        yield swarm
+    finally:
+        swarm.stop()
+
+
+async def _generate(leech, ids: list[int], n: int, on_token=None) -> list[int]:  # type: ignore[no-untyped-def]
+    tokens: list[int] = []
+    prompt = torch.tensor([ids])
+    async with InferenceSession(leech.swarm, max_length=len(ids) + n) as session:
+        async for token in leech.generator.generate(prompt, n, session=session):
+            tokens.append(int(token[0, 0]))
+            if on_token is not None:
+                await on_token(len(tokens), session)
+    return tokens
+
+
+async def test_three_daemons_match_local_greedy(three_servers: LocalSwarm, reference) -> None:  # type: ignore[no-untyped-def]
+    async with open_leech("default", three_servers.initial_peers, refresh_period=2.0) as leech:
+        tokens = await _generate(leech, reference["ids"], 32)
+    assert tokens == reference["new"][:32]
+
+
+async def test_bad_peers_get_clear_errors_and_server_keeps_serving(
+    three_servers: LocalSwarm,
+    reference,  # type: ignore[no-untyped-def]
+) -> None:
+    server = three_servers.daemons[1]  # blocks 10:20
+    async with open_leech("default", three_servers.initial_peers, refresh_period=2.0) as leech:
+        host = leech.node.host
+        peer = ID.from_base58(server.peer_id)
+
+        async def open_raw() -> MessageStream:
+            return MessageStream(
+                await host.new_stream(peer, [INFERENCE_PROTOCOL]), wire.DEFAULT_MAX_FRAME_SIZE
+            )
+
+        # A session that stays open the whole time must keep working.
+        async with InferenceSession(leech.swarm, max_length=64) as healthy:
+            hidden = torch.randn(1, 3, 576)
+            first = await healthy.step(hidden)
+
+            # 1. A malformed frame: garbage bytes.
+            bad = await open_raw()
+            await bad.stream.write(b"\x00\x00\x00\x05hello")
+            reply = await bad.receive(10)
+            assert isinstance(reply, wire.Error) and reply.message
+
+            # 2. Blocks the server does not hold.
+            bad = await open_raw()
+            await bad.send(
+                wire.OpenSession(
+                    session_id="x",
+                    model=leech.swarm.model,
+                    start=0,
+                    end=10,
+                    max_length=16,
+                    batch_size=1,
+                )
+            )
+            reply = await bad.receive(10)
+            assert isinstance(reply, wire.Error) and "10:20" in reply.message
+
+            # 3. An oversize tensor: more tokens than the session's max_length.
+            bad = await open_raw()
+            await bad.send(
+                wire.OpenSession(
+                    session_id="y",
+                    model=leech.swarm.model,
+                    start=10,
+                    end=20,
+                    max_length=16,
+                    batch_size=1,
+                )
+            )
+            assert isinstance(await bad.receive(10), wire.SessionOpened)
+            await bad.send(
+                wire.Step(
+                    session_id="y",
+                    step_id=0,
+                    hidden_states=torch.zeros(1, 17, 576),
+                )
+            )
+            reply = await bad.receive(10)
+            assert isinstance(reply, wire.Error) and "max_length" in reply.message
+
+            # 4. A tensor of the wrong width.
+            bad = await open_raw()
+            await bad.send(
+                wire.OpenSession(
+                    session_id="z",
+                    model=leech.swarm.model,
+                    start=10,
+                    end=20,
+                    max_length=16,
+                    batch_size=1,
+                )
+            )
+            assert isinstance(await bad.receive(10), wire.SessionOpened)
+            await bad.send(
+                wire.Step(
+                    session_id="z",
+                    step_id=0,
+                    hidden_states=torch.zeros(1, 2, 100),
+                )
+            )
+            reply = await bad.receive(10)
+            assert isinstance(reply, wire.Error) and "576" in reply.message
+
+            second = await healthy.step(hidden[:, :1])
+            assert first.shape == (1, 3, 576) and second.shape == (1, 1, 576)
+            assert healthy.failures == 0
+        # And whole generations still come out right.
+        assert await _generate(leech, reference["ids"], 8) == reference["new"][:8]
+
+
+async def test_server_killed_mid_generation_is_replaced(reference) -> None:  # type: ignore[no-untyped-def]
+    swarm = LocalSwarm()
+    try:
+        swarm.start("a", "0:10")
+        b1 = swarm.start("b1", "10:20")
+        b2 = swarm.start("b2", "10:20")
+        swarm.start("c", "20:30")
+        stalls: list[float] = []
+        async with open_leech("default", swarm.initial_peers, refresh_period=2.0) as leech:
+            killed: dict[str, str] = {}
+            last = [time.perf_counter()]
+
+            async def on_token(n: int, session: InferenceSession) -> None:
+                now = time.perf_counter()
+                stalls.append(now - last[0])
+                last[0] = now
+                if n == 10:
+                    victim = next(h.peer_id for h in session.hops if h.hop.start == 10)
+                    target = b1 if b1.peer_id == victim else b2
+                    target.kill()
+                    killed["peer"] = victim
+
+            tokens = await _generate(leech, reference["ids"], 40, on_token)
+        assert killed, "the middle server was never on the route"
+        assert tokens == reference["new"][:40]
+        print(
+            f"token gaps: median {sorted(stalls)[len(stalls) // 2]:.3f} s, "
+            f"worst {max(stalls):.3f} s (the stall after the kill)"
+        )
+    finally:
+        swarm.stop()
+
+
+async def test_blocks_auto_daemons_cover_the_model() -> None:
+    swarm = LocalSwarm()
+    # A budget that fits 10 blocks of SmolLM2 (about 14 MiB of weights each) with a small cache.
+    budget = ["--memory-budget", str(10 * 15 * 2**20), "--cache-tokens", "1024"]
+    try:
+        spans = []
+        for name in ("x", "y", "z"):
+            daemon = swarm.start(name, "auto", *budget)
+            assert daemon.span is not None
+            spans.append(daemon.span)
+        served = set().union(*(range(a, b) for a, b in spans))
+        assert served == set(range(30)), spans
+        async with open_leech("default", swarm.initial_peers, refresh_period=2.0) as leech:
+            assert len(leech.swarm.plan()) == 3
+    finally:
+        swarm.stop()
+
+
+async def test_restarted_server_is_routed_again(three_servers: LocalSwarm) -> None:
+    middle = three_servers.daemons[1]
+    async with open_leech("default", three_servers.initial_peers, refresh_period=2.0) as leech:
+        middle.kill()
+        leech.swarm.report_failure(middle.peer_id)
+        await leech.swarm.refresh()
+        assert middle.peer_id not in leech.swarm.records
+        restarted = three_servers.start("b-again", "10:20", identity="b")
+        assert restarted.peer_id == middle.peer_id
+        started = time.perf_counter()
+        with trio.fail_after(three_servers.refresh_period * 3):
+            while middle.peer_id not in leech.swarm.records:
+                await trio.sleep(0.2)
+        print(f"restarted server back in the view after {time.perf_counter() - started:.2f} s")
+        route = leech.swarm.plan()
+        assert [hop.peer_id for hop in route][1] == middle.peer_id
