@@ -98,9 +98,9 @@ class FrameDecoder:
         that whole frames inside an immutable `data` (a bytes object, or a frame from
         `encode_frame`) are kept as views of it, without a copy.
         """
-        if self._ended:
-            raise RuntimeError("receive_data called after the end of the stream (b'')")
         view = byte_view(data)
+        if self._ended and view:
+            raise RuntimeError("receive_data called with data after the end of the stream (b'')")
         if not view:
             self._ended = True
             return
@@ -185,8 +185,9 @@ class FrameDecoder:
     @property
     def buffered_bytes(self) -> int:
         """Bytes received but not yet returned as frames (for flow-control decisions)."""
-        pending = sum(len(body) for body in self._complete)
-        return pending + len(self._header) + (self._filled if self._body is not None else 0)
+        pending = sum(HEADER_SIZE + len(body) for body in self._complete)
+        partial = len(self._header) if self._body is None else HEADER_SIZE + self._filled
+        return pending + partial
 
     @property
     def ended(self) -> bool:
