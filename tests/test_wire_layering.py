@@ -1,0 +1,54 @@
+"""wire/ stays sans-IO and at the bottom of the layers: it imports nothing of ours but itself, no
+I/O or networking module, and never pickle (docs/wire.md, DESIGN.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+WIRE = Path(__file__).resolve().parent.parent / "wire"
+
+ALLOWED = {
+    "__future__",
+    "collections",
+    "dataclasses",
+    "functools",
+    "math",
+    "struct",
+    "sys",
+    "types",
+    "typing",
+    "lz4",
+    "msgpack",
+    "numpy",
+    "torch",
+    "wire",
+}
+FORBIDDEN_CALLS = {"open", "load", "loads", "save"}  # file I/O, torch.load/pickle.loads, torch.save
+
+
+def imported_modules(tree: ast.AST) -> set[str]:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_wire_imports_only_what_it_may() -> None:
+    for path in sorted(WIRE.glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        extra = imported_modules(tree) - ALLOWED
+        assert not extra, f"{path.name} imports {sorted(extra)}: wire/ is sans-IO and bottom layer"
+
+
+def test_wire_does_no_io_and_no_pickle() -> None:
+    for path in sorted(WIRE.glob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "attr", getattr(node.func, "id", None))
+                assert name not in FORBIDDEN_CALLS, f"{path.name}:{node.lineno} calls {name}()"
+        assert "pickle" not in path.read_text(), f"{path.name} mentions pickle"
