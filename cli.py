@@ -4,9 +4,14 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import typer
+
+# Compute hops of one generation run one after another in different processes on the same cores;
+# OpenMP threads that spin after their work would steal the core from the next hop.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 app = typer.Typer(
     help="peerd: run a large language model across a swarm of volunteer machines.",

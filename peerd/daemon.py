@@ -266,8 +266,11 @@ def configure_logging(level: str) -> None:
         stream=sys.stderr,
         force=True,
     )
+    # py-libp2p logs expected conditions (a peer that went away, a protocol a client does not
+    # speak) at ERROR with multi-line dumps; show them only when debugging.
+    quiet = logging.WARNING if level.lower() == "debug" else logging.CRITICAL
     for name in ("libp2p", "multiaddr", "async_service", "anyio"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger(name).setLevel(quiet)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -45,7 +45,7 @@ async def open_leech(
     checkpoint = blocks.resolve_checkpoint(model)
     client = await trio.to_thread.run_sync(blocks.load_client_side, checkpoint)
     num_blocks = int(client.config.num_hidden_layers)
-    async with open_node(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], dht_server=False) as node:
+    async with open_node(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], dht_server=True) as node:
         for text in initial_peers:
             with trio.fail_after(10):
                 await node.connect(parse_peer_maddr(text))

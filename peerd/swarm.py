@@ -24,20 +24,31 @@ from peerd.server import info_to_record
 from peerd.streams import MessageStream, PeerGone
 from routing.bans import BanList
 from routing.planner import Route, plan_route
-from routing.records import ServerRecord, SwarmSnapshot
+from routing.records import SELECTION_STATES, ServerRecord, SwarmSnapshot
 from routing.rtt import RttTracker
 
 log = logging.getLogger(__name__)
 
 INFO_TIMEOUT_S = 3.0
+MAX_PROVIDERS = 64
+BLOCK_LOOKUP_CONCURRENCY = 4
 # sha2-256 multihash prefix: remote DHT nodes accept multihash keys of any length we need.
 _MULTIHASH_SHA256 = b"\x12\x20"
 
 
+def _dht_key(text: str) -> str:
+    return (_MULTIHASH_SHA256 + hashlib.sha256(text.encode()).digest()).hex()
+
+
+def model_key(model: str) -> str:
+    """The DHT provider key every server of `model` provides (hex of a sha2-256 multihash)."""
+    return _dht_key(f"peerd/{model}")
+
+
 def block_key(model: str, block: int) -> str:
-    """The DHT provider key of one block of one model (hex of a sha2-256 multihash)."""
-    digest = hashlib.sha256(f"peerd/{model}/block/{block}".encode()).digest()
-    return (_MULTIHASH_SHA256 + digest).hex()
+    """The DHT provider key of one block: looked up only for blocks the model key did not cover
+    (a DHT node keeps at most 20 providers per key, so big swarms need per-block keys)."""
+    return _dht_key(f"peerd/{model}/block/{block}")
 
 
 class SwarmView:
@@ -60,50 +71,56 @@ class SwarmView:
         self.records: dict[str, ServerRecord] = {}
         self.rtts = RttTracker()
         self.bans = BanList()
-        self._updated = trio.Event()
         self._refresh_lock = trio.Lock()
 
     # --- announcing ---------------------------------------------------------------------------
 
     async def announce(self, blocks: Iterable[int]) -> None:
-        """Provide our blocks in the DHT; called every refresh period by the daemon."""
-        for block in blocks:
+        """Provide the model key and our blocks' keys in the DHT; called every refresh period."""
+        for key in [model_key(self.model), *(block_key(self.model, b) for b in blocks)]:
             try:
-                await self.node.dht.provide(block_key(self.model, block))
+                await self.node.dht.provide(key)
             except Exception as e:  # a DHT hiccup must not stop serving; retried next period
-                log.warning("announcing block %d failed: %s", block, e)
+                log.warning("announcing %s failed: %s", key[:12], e)
 
     # --- discovering --------------------------------------------------------------------------
 
-    async def find_candidates(self) -> dict[str, PeerInfo]:
-        """Peers the DHT lists for any block of the model (not yet confirmed alive)."""
+    async def _providers(self, key: str, serving_it: bool) -> list[PeerInfo]:
+        # find_providers answers from the local store alone when it holds any record for the
+        # key (its own, or ones cached by earlier look-ups), so forget cached copies to ask the
+        # network (notes/libp2p.md, pitfall 5). Our own record stays when we provide the key.
+        if not serving_it:
+            self.node.dht.provider_store.providers.pop(bytes.fromhex(key), None)
+        with trio.move_on_after(INFO_TIMEOUT_S):
+            try:
+                return list(await self.node.dht.find_providers(key, count=MAX_PROVIDERS))
+            except Exception as e:
+                log.debug("find_providers(%s) failed: %s", key[:12], e)
+        return []
+
+    async def find_candidates(self, blocks: Iterable[int] = ()) -> dict[str, PeerInfo]:
+        """Peers the DHT lists for the model, and for each of `blocks` (not yet confirmed)."""
+        own = self.own_record()
         found: dict[str, PeerInfo] = {}
+        for info in await self._providers(model_key(self.model), own is not None):
+            found.setdefault(info.peer_id.to_string(), info)
+        # Look-ups of the same peers at once overload py-libp2p's stream negotiation; a few
+        # at a time is as fast on a small swarm and kinder on a big one.
+        limiter = trio.CapacityLimiter(BLOCK_LOOKUP_CONCURRENCY)
 
         async def look_up(block: int) -> None:
-            key = block_key(self.model, block)
-            # find_providers answers from the local store alone when it holds any record for
-            # the key, so forget local copies to ask the network (notes/libp2p.md, pitfall 5).
-            store = self.node.dht.provider_store
-            local_key = bytes.fromhex(key)
-            own = self.own_record()
-            if not (own is not None and own.covers(block)):
-                store.providers.pop(local_key, None)
-            with trio.move_on_after(INFO_TIMEOUT_S):
-                try:
-                    providers = await self.node.dht.find_providers(key, count=40)
-                except Exception as e:
-                    log.debug("find_providers for block %d failed: %s", block, e)
-                    return
-                for info in providers:
+            async with limiter:
+                serving = own is not None and own.covers(block)
+                for info in await self._providers(block_key(self.model, block), serving):
                     found.setdefault(info.peer_id.to_string(), info)
 
         async with trio.open_nursery() as nursery:
-            for block in range(self.num_blocks):
+            for block in blocks:
                 nursery.start_soon(look_up, block)
-        for peer_id in list(self.records):  # keep asking peers we know even if the DHT forgot them
+        for peer_id in self.records:  # keep asking the servers we know even if the DHT forgot
             if peer_id not in found:
-                addrs = self.node.host.get_peerstore().addrs(ID.from_base58(peer_id))
-                found[peer_id] = PeerInfo(ID.from_base58(peer_id), addrs)
+                peer = ID.from_base58(peer_id)
+                found[peer_id] = PeerInfo(peer, self.node.host.get_peerstore().addrs(peer))
         return found
 
     async def fetch_record(self, peer: PeerInfo) -> ServerRecord | None:
@@ -140,30 +157,37 @@ class SwarmView:
         return dataclasses.replace(record, updated_at=now, expires_at=now + 2 * self.refresh_period)
 
     async def refresh(self) -> None:
-        """Rebuild the view: every candidate from the DHT is asked for its record."""
+        """Rebuild the view: every candidate the DHT names is asked for its live record. Blocks
+        that the servers found through the model key leave uncovered are looked up one by one."""
         async with self._refresh_lock:
-            candidates = await self.find_candidates()
-            own_id = self.node.peer_id.to_string()
             fresh: dict[str, ServerRecord] = {}
-
-            async def confirm(peer_id: str, info: PeerInfo) -> None:
-                record = await self.fetch_record(info)
-                if record is not None:
-                    fresh[peer_id] = record
-
-            async with trio.open_nursery() as nursery:
-                for peer_id, info in candidates.items():
-                    if peer_id != own_id:
-                        nursery.start_soon(confirm, peer_id, info)
-            own = self.own_record()
-            if own is not None:
-                fresh[own_id] = own
+            await self._confirm(await self.find_candidates(), fresh)
+            snapshot = SwarmSnapshot.from_records(self.model, self.num_blocks, fresh.values())
+            if missing := snapshot.uncovered_blocks(states=SELECTION_STATES):
+                await self._confirm(await self.find_candidates(missing), fresh)
             gone = set(self.records) - set(fresh)
             if gone:
                 log.info("servers left the swarm view: %s", ", ".join(sorted(gone)))
             self.records = fresh
-            self._updated.set()
-            self._updated = trio.Event()
+            for peer_id in gone:
+                self.rtts.forget(peer_id)
+
+    async def _confirm(
+        self, candidates: dict[str, PeerInfo], into: dict[str, ServerRecord]
+    ) -> None:
+        own_id = self.node.peer_id.to_string()
+
+        async def confirm(peer_id: str, info: PeerInfo) -> None:
+            record = await self.fetch_record(info)
+            if record is not None:
+                into[peer_id] = record
+
+        async with trio.open_nursery() as nursery:
+            for peer_id, info in candidates.items():
+                if peer_id != own_id and peer_id not in into:
+                    nursery.start_soon(confirm, peer_id, info)
+        if (own := self.own_record()) is not None:
+            into[own_id] = own
 
     def report_failure(self, peer_id: str) -> None:
         """A server failed us: drop it from the view at once and ban it with backoff (the next
