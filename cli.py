@@ -104,6 +104,7 @@ def generate(
     import trio
 
     from peerd.daemon import configure_logging
+    from peerd.generation import encode_prompt
     from peerd.inference import InferenceSession
     from peerd.leech import open_leech
 
@@ -114,15 +115,7 @@ def generate(
 
         async with open_leech(model, initial_peers) as leech:
             tokenizer = leech.client.tokenizer
-            if chat:
-                ids = tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}],
-                    add_generation_prompt=True,
-                    return_tensors="pt",
-                    return_dict=True,
-                )["input_ids"]
-            else:
-                ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+            ids = encode_prompt(tokenizer, prompt, chat=chat)
             started = time.perf_counter()
             tokens: list[int] = []
             eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

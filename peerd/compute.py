@@ -46,7 +46,7 @@ class ComputeQueue:
                 raise
         self._busy = True
         try:
-            return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=False)
+            return await trio.to_thread.run_sync(fn, *args)
         finally:
             self.jobs_done += 1
             self._release()

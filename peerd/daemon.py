@@ -117,7 +117,7 @@ class Daemon:
         if config.blocks is not None:
             self.blocks_spec = parse_blocks(config.blocks, self.num_blocks)
 
-    async def run(self, *, task_status: trio.TaskStatus[Daemon] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self) -> None:
         config = self.config
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
@@ -143,7 +143,6 @@ class Daemon:
                 nursery.start_soon(self.swarm.run)
                 self._print_banner()
                 self.started.set()
-                task_status.started(self)
                 nursery.start_soon(self._handle_signals, nursery.cancel_scope)
 
     async def _join(self, text: str) -> None:

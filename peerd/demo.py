@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 import time
 
-import torch
 import trio
 
+from peerd.generation import encode_prompt
 from peerd.inference import InferenceSession
 from peerd.leech import open_leech
 from peerd.localswarm import LocalSwarm
@@ -26,12 +26,7 @@ def run_demo(
         async def ask() -> str:
             async with open_leech("default", swarm.initial_peers, refresh_period=5.0) as leech:
                 tokenizer = leech.client.tokenizer
-                ids = tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}],
-                    add_generation_prompt=True,
-                    return_tensors="pt",
-                    return_dict=True,
-                )["input_ids"]
+                ids = encode_prompt(tokenizer, prompt, chat=True)
                 eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
                 tokens: list[int] = []
                 printed = ""
@@ -41,19 +36,20 @@ def run_demo(
                     print(f"route: {session.describe_route()}", file=sys.stderr)
                     started = time.perf_counter()
                     async for token in leech.generator.generate(
-                        torch.as_tensor(ids), max_new_tokens, session=session, eos_token_ids=eos
+                        ids, max_new_tokens, session=session, eos_token_ids=eos
                     ):
                         tokens.append(int(token[0, 0]))
-                        text = tokenizer.decode(tokens, skip_special_tokens=True)
+                        text = str(tokenizer.decode(tokens, skip_special_tokens=True))
                         # Print only whole characters: a partial UTF-8 sequence decodes to U+FFFD.
                         if not text.endswith("\ufffd"):
                             print(text[len(printed) :], end="", flush=True)
                             printed = text
                     elapsed = time.perf_counter() - started
+                    hops = len(session.hops)
                 print()
                 print(
                     f"{len(tokens)} tokens in {elapsed:.1f} s: "
-                    f"{len(tokens) / elapsed:.1f} tokens/s through {len(session.hops)} servers",
+                    f"{len(tokens) / elapsed:.1f} tokens/s through {hops} servers",
                     file=sys.stderr,
                 )
                 return printed

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import trio
@@ -79,6 +80,20 @@ def sample(
         return logits.argmax(dim=-1, keepdim=True)
     probs = logits_to_probs(logits, params)
     return torch.multinomial(probs, 1, generator=generator)
+
+
+def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> torch.Tensor:
+    """[1, tokens] input ids of `text`, wrapped in the model's chat template when `chat`."""
+    if chat:
+        encoded = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )
+    else:
+        encoded = tokenizer(text, return_tensors="pt")
+    return torch.as_tensor(encoded["input_ids"])
 
 
 class Generator:

@@ -25,6 +25,7 @@ from peerd.p2p import INFERENCE_PROTOCOL
 from peerd.streams import MessageStream, PeerGone
 from peerd.swarm import SwarmView
 from routing.planner import NoRouteError, RouteHop, format_route
+from wire.peer_protocol import CompressionName
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class HopSession:
     def peer_id(self) -> str:
         return self.hop.peer_id
 
-    async def step(self, hidden: torch.Tensor, codec: str) -> torch.Tensor:
+    async def step(self, hidden: torch.Tensor, codec: CompressionName) -> torch.Tensor:
         step_id = next(self.step_ids)
         await self.stream.send(
             wire.Step(session_id=self.session_id, step_id=step_id, hidden_states=hidden), codec
@@ -85,7 +86,7 @@ class InferenceSession:
         *,
         max_length: int,
         batch_size: int = 1,
-        codec: str = "raw",
+        codec: CompressionName = "raw",
     ) -> None:
         self.swarm = swarm
         self.max_length = max_length

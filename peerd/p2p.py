@@ -51,7 +51,7 @@ def set_provider_record_ttl(seconds: float) -> None:
     """py-libp2p keeps provider records 48 h and has no un-provide, so a dead server would stay
     listed for two days. Our records are re-provided every refresh period; keeping them a few
     periods makes dead servers fall out of the DHT quickly (notes/libp2p.md, pitfall 6)."""
-    provider_store.PROVIDER_RECORD_EXPIRATION_INTERVAL = seconds  # type: ignore[misc]
+    provider_store.PROVIDER_RECORD_EXPIRATION_INTERVAL = int(seconds)
 
 
 def make_host(key_pair: KeyPair, listen_addrs: Sequence[multiaddr.Multiaddr]) -> IHost:

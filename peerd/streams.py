@@ -39,7 +39,7 @@ class MessageStream:
         """Send one message, its tensors encoded with `compression` (wire.COMPRESSIONS)."""
         data = encode_message(message, compression, max_frame_size=self.max_frame_size)
         try:
-            await self.stream.write(data)
+            await self.stream.write(data)  # type: ignore[arg-type]  # any bytes-like works
         except (StreamError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             raise PeerGone(f"cannot send to {self.remote_peer}: {e or type(e).__name__}") from e
         self.bytes_sent += len(data)
