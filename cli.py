@@ -52,6 +52,9 @@ def start(
     cache_tokens: int = typer.Option(16384, min=1, help="KV cache budget in tokens."),
     refresh_period: float = typer.Option(60.0, min=0.1, help="Seconds between DHT announces."),
     torch_threads: int | None = typer.Option(None, min=1, help="torch threads for compute."),
+    socket: Path | None = typer.Option(
+        None, help="Local API socket (default: $XDG_RUNTIME_DIR/peerd/peerd.sock)."
+    ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
 ) -> None:
     """Serve blocks of a model to the swarm and route generations for local clients."""
@@ -79,10 +82,11 @@ def start(
         cache_tokens=cache_tokens,
         refresh_period=refresh_period,
         torch_threads=torch_threads,
+        socket=socket,
     )
     try:
         run(config)
-    except (DaemonError, BadMultiaddr) as e:
+    except (DaemonError, BadMultiaddr, OSError) as e:
         typer.echo(f"peerd start: {e}", err=True)
         raise typer.Exit(2) from None
     except KeyboardInterrupt:

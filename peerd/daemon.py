@@ -8,6 +8,7 @@ import os
 import random
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,8 +16,11 @@ import torch
 import trio
 
 import blocks
+import wire
 from peerd import __version__
+from peerd.api import LocalApi, build_status
 from peerd.compute import ComputeQueue
+from peerd.generation import Generator
 from peerd.identity import load_or_create_identity
 from peerd.p2p import (
     INFERENCE_PROTOCOL,
@@ -26,6 +30,7 @@ from peerd.p2p import (
     parse_peer_maddr,
     set_provider_record_ttl,
 )
+from peerd.paths import default_socket_path, state_dir
 from peerd.server import BlockServer, ServerLimits
 from peerd.swarm import SwarmView
 from routing.block_selection import blocks_that_fit, choose_blocks
@@ -59,6 +64,7 @@ class DaemonConfig:
     cache_tokens: int = DEFAULT_CACHE_TOKENS
     refresh_period: float = 60.0
     torch_threads: int | None = None
+    socket: Path | None = None  # None: the per-user default (peerd.paths.default_socket_path)
     limits: ServerLimits = field(default_factory=ServerLimits)
 
     def listen_addrs(self) -> list[str]:
@@ -114,6 +120,9 @@ class Daemon:
         self.swarm: SwarmView | None = None
         self.server: BlockServer | None = None
         self.started = trio.Event()
+        self.started_at = time.time()
+        self._generator: Generator | None = None
+        self._generator_lock = trio.Lock()
         if config.blocks is not None:
             self.blocks_spec = parse_blocks(config.blocks, self.num_blocks)
 
@@ -141,7 +150,8 @@ class Daemon:
                 if config.blocks is not None:
                     await self._start_serving(nursery)
                 nursery.start_soon(self.swarm.run)
-                self._print_banner()
+                socket_path = await nursery.start(self._api().serve)
+                self._print_banner(socket_path)
                 self.started.set()
                 nursery.start_soon(self._handle_signals, nursery.cancel_scope)
 
@@ -177,6 +187,7 @@ class Daemon:
             record_ttl=2 * config.refresh_period,
         )
         self.server = server
+        self.swarm.local_server = server
         self.node.host.set_stream_handler(INFO_PROTOCOL, server.handle_info)
         # Announce while joining, so servers starting after us pick other blocks.
         nursery.start_soon(self._announce_forever)
@@ -222,11 +233,40 @@ class Daemon:
             await self.swarm.announce(range(self.server.start, self.server.end))
             await trio.sleep(self.config.refresh_period * random.uniform(0.5, 0.8))
 
-    def _print_banner(self) -> None:
+    def _api(self) -> LocalApi:
+        assert self.node is not None
+        peer_id = self.node.peer_id.to_string()
+        return LocalApi(
+            socket_path=self.config.socket or default_socket_path(),
+            get_generator=self.generator,
+            status=lambda: build_status(
+                peer_id=peer_id, started_at=self.started_at, server=self.server, swarm=self.swarm
+            ),
+            welcome=lambda: wire.Welcome(
+                version=__version__,
+                peer_id=peer_id,
+                model=self.model,
+                num_blocks=self.num_blocks,
+                hidden_size=int(self.model_config.hidden_size),
+            ),
+        )
+
+    async def generator(self) -> Generator:
+        """The client side (embeddings, LM head, tokenizer), loaded on first use: a server
+        that no local program talks to never holds it."""
+        async with self._generator_lock:
+            if self._generator is None:
+                assert self.swarm is not None
+                client = await trio.to_thread.run_sync(blocks.load_client_side, self.checkpoint)
+                self._generator = Generator(client, self.swarm)
+            return self._generator
+
+    def _print_banner(self, socket_path: Path) -> None:
         assert self.node is not None
         lines = [f"peerd {__version__}: peer {self.node.peer_id.to_string()}"]
         if self.server is not None:
             lines.append(f"serving blocks {self.server.start}:{self.server.end} of {self.model}")
+        lines.append(f"local API socket {socket_path}")
         lines += [f"listening on {addr}" for addr in self.node.maddrs()]
         print("\n".join(lines), flush=True)
 
@@ -250,8 +290,6 @@ class Daemon:
 
 
 def _default_identity_path() -> Path:
-    from peerd.paths import state_dir
-
     return state_dir() / "identity.key"
 
 

@@ -21,7 +21,9 @@ import trio
 from libp2p.peer.id import ID
 
 import wire
+from blocks import BlocksError
 from peerd.p2p import INFERENCE_PROTOCOL
+from peerd.server import LocalSession
 from peerd.streams import MessageStream, PeerGone
 from peerd.swarm import SwarmView
 from routing.planner import NoRouteError, RouteHop, format_route
@@ -55,10 +57,18 @@ class HopSession:
     def peer_id(self) -> str:
         return self.hop.peer_id
 
-    async def step(self, hidden: torch.Tensor, codec: CompressionName) -> torch.Tensor:
+    async def step(
+        self, hidden: torch.Tensor, codec: CompressionName, start_position: int | None = None
+    ) -> torch.Tensor:
         step_id = next(self.step_ids)
         await self.stream.send(
-            wire.Step(session_id=self.session_id, step_id=step_id, hidden_states=hidden), codec
+            wire.Step(
+                session_id=self.session_id,
+                step_id=step_id,
+                hidden_states=hidden,
+                start_position=start_position,
+            ),
+            codec,
         )
         reply = await self.stream.receive(STEP_TIMEOUT_S)
         if isinstance(reply, wire.Error):
@@ -74,6 +84,32 @@ class HopSession:
         except PeerGone:
             pass
         await self.stream.close()
+
+
+@dataclass
+class LocalHopSession:
+    """A hop served by this daemon's own block server, called directly."""
+
+    hop: RouteHop
+    local: LocalSession
+
+    @property
+    def peer_id(self) -> str:
+        return self.hop.peer_id
+
+    async def step(
+        self, hidden: torch.Tensor, codec: CompressionName, start_position: int | None = None
+    ) -> torch.Tensor:
+        try:
+            return await self.local.step(hidden, start_position)
+        except (BlocksError, ValueError) as e:
+            raise wire.ProtocolError(str(e)) from e
+
+    async def close(self) -> None:
+        self.local.close()
+
+
+Hop = HopSession | LocalHopSession
 
 
 class InferenceSession:
@@ -92,10 +128,11 @@ class InferenceSession:
         self.max_length = max_length
         self.batch_size = batch_size
         self.codec = codec
-        self.hops: list[HopSession] = []
+        self.hops: list[Hop] = []
         # inputs[b]: every hidden state sent into block b so far, concatenated over positions.
         self._inputs: dict[int, torch.Tensor] = {}
         self.position = 0
+        self._rewind_to: int | None = None
         self.failures = 0
         self.recoveries: list[dict[str, object]] = []
 
@@ -130,11 +167,13 @@ class InferenceSession:
                 f"this step would reach {self.position + hidden.shape[1]} tokens, past the "
                 f"session's max_length of {self.max_length}"
             )
+        # After a rollback every hop is told where the new tokens start (once per hop).
+        rewind = self._rewind_to
         i = 0
         while i < len(self.hops):
             hop = self.hops[i]
             try:
-                output = await hop.step(hidden, self.codec)
+                output = await hop.step(hidden, self.codec, rewind)
             except (PeerGone, wire.ProtocolError) as e:
                 await self._replace(i, e)
                 continue  # the replacement hops start at the same block: retry with `hidden`
@@ -142,8 +181,19 @@ class InferenceSession:
             self.swarm.report_success(hop.peer_id)
             hidden = output
             i += 1
+        self._rewind_to = None
         self.position += hidden.shape[1]
         return hidden
+
+    def rollback(self, position: int) -> None:
+        """Forget every token from `position` on: the next step continues from there (the
+        servers roll their caches back when it arrives)."""
+        if not 0 <= position <= self.position:
+            raise ValueError(f"cannot roll back to {position}: the session holds {self.position}")
+        self.position = position
+        self._rewind_to = position
+        for block, inputs in self._inputs.items():
+            self._inputs[block] = inputs[:, :position]
 
     def _remember(self, block: int, hidden: torch.Tensor) -> None:
         past = self._inputs.get(block)
@@ -192,7 +242,7 @@ class InferenceSession:
     async def _open_route(self, start: int, end: int) -> None:
         self.hops = await self._open_hops(start, end)
 
-    async def _open_hops(self, start: int, end: int) -> list[HopSession]:
+    async def _open_hops(self, start: int, end: int) -> list[Hop]:
         """Plan [start, end) and open a session on each hop, re-planning around servers that
         refuse or fail to open, until a route opens or no server is left."""
         deadline = trio.current_time() + ROUTE_WAIT_S
@@ -207,7 +257,7 @@ class InferenceSession:
                 await self.swarm.refresh()
                 await trio.sleep(0.2)
                 continue
-            opened: list[HopSession] = []
+            opened: list[Hop] = []
             try:
                 for hop in route:
                     opened.append(await self._open_hop(hop))
@@ -224,23 +274,27 @@ class InferenceSession:
                         f"could not open a route over blocks {start}:{end}: {e}"
                     ) from e
 
-    async def _open_hop(self, hop: RouteHop) -> HopSession:
+    async def _open_hop(self, hop: RouteHop) -> Hop:
+        request = wire.OpenSession(
+            session_id=uuid.uuid4().hex,
+            model=self.swarm.model,
+            start=hop.start,
+            end=hop.end,
+            max_length=self.max_length,
+            batch_size=self.batch_size,
+            reply_compression=self.codec,
+        )
+        local = self.swarm.local_server
+        if local is not None and hop.peer_id == local.peer_id:
+            try:
+                return LocalHopSession(hop, local.open_local(request))
+            except (BlocksError, wire.ProtocolError) as e:
+                raise PeerGone(f"our own server refused the session: {e}") from e
         peer = ID.from_base58(hop.peer_id)
         with trio.fail_after(OPEN_TIMEOUT_S):
             raw = await self.swarm.node.host.new_stream(peer, [INFERENCE_PROTOCOL])
         stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
-        session_id = uuid.uuid4().hex
-        await stream.send(
-            wire.OpenSession(
-                session_id=session_id,
-                model=self.swarm.model,
-                start=hop.start,
-                end=hop.end,
-                max_length=self.max_length,
-                batch_size=self.batch_size,
-                reply_compression=self.codec,
-            )
-        )
+        await stream.send(request)
         reply = await stream.receive(OPEN_TIMEOUT_S)
         if isinstance(reply, wire.Error):
             await stream.close()
@@ -248,4 +302,4 @@ class InferenceSession:
         if not isinstance(reply, wire.SessionOpened):
             await stream.close()
             raise wire.ProtocolError(f"expected SessionOpened, got {type(reply).__name__}")
-        return HopSession(hop=hop, stream=stream, session_id=session_id)
+        return HopSession(hop=hop, stream=stream, session_id=request.session_id)

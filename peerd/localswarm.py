@@ -23,6 +23,7 @@ class DaemonProcess:
     args: list[str]
     identity: Path
     log_path: Path
+    socket: Path
     process: subprocess.Popen[str] | None = None
     peer_id: str = ""
     maddrs: list[str] = field(default_factory=list)
@@ -37,7 +38,7 @@ class DaemonProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         log = open(self.log_path, "a")  # noqa: SIM115 (closed when the process ends)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "cli", "start", *self.args, "--identity", str(self.identity)],
+            [sys.executable, "-m", "cli", "start", *self.args, *self._own_files()],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -68,6 +69,9 @@ class DaemonProcess:
                 )
         time.sleep(0.2)  # let the remaining banner lines arrive
         return self
+
+    def _own_files(self) -> list[str]:
+        return ["--identity", str(self.identity), "--socket", str(self.socket)]
 
     def kill(self) -> None:
         """kill -9: no goodbye, the peer just vanishes."""
@@ -130,6 +134,7 @@ class LocalSwarm:
             name=name,
             args=args,
             identity=self.workdir / f"{identity or name}.key",
+            socket=self.workdir / f"{name}.sock",
             log_path=self.workdir / f"{name}.log",
         )
         self.daemons.append(daemon)

@@ -232,21 +232,35 @@ class BlockServer:
                 raise wire.ProtocolError(
                     f"expected Step or CloseSession in a session, got {type(message).__name__}"
                 )
-            hidden = self._check_step(message, request, session)
-            if message.start_position is not None:
-                session.rollback(message.start_position)
-            span = self._span_for(request.start, request.end)
-            output = await self.compute.run(
-                PRIORITY_INFERENCE, self._forward, span, hidden, session
-            )
-            self.counters.steps += 1
-            self.counters.tokens_processed += hidden.shape[0] * hidden.shape[1]
+            output = await self.run_step(request, session, message)
             await messages.send(
                 wire.StepResult(
                     session_id=request.session_id, step_id=message.step_id, hidden_states=output
                 ),
                 request.reply_compression,
             )
+
+    async def run_step(
+        self, request: wire.OpenSession, session: SpanSession, message: wire.Step
+    ) -> torch.Tensor:
+        """Check one step against the session's limits, then run it on the compute queue."""
+        hidden = self._check_step(message, request, session)
+        if message.start_position is not None:
+            session.rollback(message.start_position)
+        span = self._span_for(request.start, request.end)
+        output = await self.compute.run(PRIORITY_INFERENCE, self._forward, span, hidden, session)
+        self.counters.steps += 1
+        self.counters.tokens_processed += hidden.shape[0] * hidden.shape[1]
+        return output
+
+    def open_local(self, request: wire.OpenSession) -> LocalSession:
+        """A session for this daemon's own clients: the same checks and cache as a remote one,
+        without a stream (a host cannot dial itself)."""
+        self._check_open(request, self.peer_id)
+        assert self.cache is not None
+        session = self.cache.open_session(request.batch_size, request.max_length)
+        self.counters.sessions_opened += 1
+        return LocalSession(self, request, session)
 
     def _check_step(
         self, message: wire.Step, request: wire.OpenSession, session: SpanSession
@@ -297,3 +311,26 @@ class BlockServer:
     def drain(self) -> None:
         """Take no new sessions; open ones go on until they end or the daemon stops."""
         self.state = ServerState.DRAINING
+
+
+class LocalSession:
+    """An inference session on our own BlockServer (see BlockServer.open_local)."""
+
+    def __init__(self, server: BlockServer, request: wire.OpenSession, session: SpanSession):
+        self.server = server
+        self.request = request
+        self.session = session
+        self._steps = 0
+
+    async def step(self, hidden: torch.Tensor, start_position: int | None) -> torch.Tensor:
+        message = wire.Step(
+            session_id=self.request.session_id,
+            step_id=self._steps,
+            hidden_states=hidden,
+            start_position=start_position,
+        )
+        self._steps += 1
+        return await self.server.run_step(self.request, self.session, message)
+
+    def close(self) -> None:
+        self.session.close()

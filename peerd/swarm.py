@@ -20,7 +20,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 import wire
 from peerd.p2p import INFO_PROTOCOL, Node
-from peerd.server import info_to_record
+from peerd.server import BlockServer, info_to_record
 from peerd.streams import MessageStream, PeerGone
 from routing.bans import BanList
 from routing.planner import Route, plan_route
@@ -69,6 +69,8 @@ class SwarmView:
         self.refresh_period = refresh_period
         self.own_record = own_record
         self.records: dict[str, ServerRecord] = {}
+        # This daemon's own block server, reached directly when a route uses it.
+        self.local_server: BlockServer | None = None
         self.rtts = RttTracker()
         self.bans = BanList()
         self._refresh_lock = trio.Lock()

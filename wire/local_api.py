@@ -11,7 +11,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from wire.peer_protocol import MAX_ID_LEN, MAX_MODEL_LEN, ServerInfo
+import torch
+
+from wire.peer_protocol import (
+    MAX_BATCH_SIZE,
+    MAX_ID_LEN,
+    MAX_MODEL_LEN,
+    MAX_SESSION_TOKENS,
+    ServerInfo,
+)
 from wire.schema import Message, message, spec
 
 MAX_PROMPT_CHARS = 1 << 20
@@ -52,10 +60,74 @@ class Generate(Message):
     stop: tuple[str, ...] = spec(
         default=(), max_items=MAX_STOP_SEQUENCES, min_len=1, max_len=MAX_STOP_LEN
     )
+    chat: bool = False
+    """Treat `prompt` as a user's chat message: wrap it in the model's chat template."""
+    session_id: str | None = spec(default=None, min_len=1, max_len=MAX_ID_LEN)
+    """Continue this open inference session (OpenInference) instead of starting afresh: the
+    servers' caches already hold the conversation, so only the new tokens travel."""
 
     def check(self) -> None:
         if (self.prompt is None) == (self.input_ids is None):
             raise ValueError("give exactly one of prompt (text) and input_ids (token ids)")
+
+
+@message("hello")
+class Hello(Message):
+    """A client's first message on a connection: who it is (the envelope carries the protocol
+    version, so a client of another version gets VersionMismatch at once)."""
+
+    client: str = spec(default="peerd-client", max_len=128)
+
+
+@message("welcome")
+class Welcome(Message):
+    """The daemon's answer to Hello: what it runs."""
+
+    version: str = spec(min_len=1, max_len=64)
+    peer_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+    model: str = spec(min_len=1, max_len=MAX_MODEL_LEN)
+    num_blocks: int = spec(ge=1)
+    hidden_size: int = spec(ge=1)
+
+
+@message("open_inference")
+class OpenInference(Message):
+    """Open an inference session through the swarm, owned by this connection (closed with it)."""
+
+    max_length: int = spec(ge=1, le=MAX_SESSION_TOKENS)
+    batch_size: int = spec(default=1, ge=1, le=MAX_BATCH_SIZE)
+
+
+@message("inference_opened")
+class InferenceOpened(Message):
+    session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+    route: tuple[str, ...] = spec(default=(), max_items=4096, max_len=512)
+    """The hops, as "peer_id[start:end)"."""
+
+
+@message("inference_step")
+class InferenceStep(Message):
+    """Run hidden states (after the embeddings) through every block in the session."""
+
+    session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+    hidden_states: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+
+
+@message("inference_output")
+class InferenceOutput(Message):
+    hidden_states: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+    position: int = spec(ge=0)
+    """Tokens the session holds after this step."""
+
+
+@message("close_inference")
+class CloseInference(Message):
+    session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+
+
+@message("inference_closed")
+class InferenceClosed(Message):
+    session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
 
 
 @message("generated_token")
@@ -93,3 +165,9 @@ class StatusResponse(Message):
     """This daemon's own record when it serves blocks."""
     swarm: tuple[ServerInfo, ...] = spec(default=(), max_items=MAX_SWARM_RECORDS)
     """The servers this daemon knows of, as last seen."""
+    rtts: tuple[float, ...] = spec(default=(), max_items=MAX_SWARM_RECORDS)
+    """Smoothed round trip to each server in `swarm`, seconds (-1: not measured)."""
+    steps_served: int = spec(default=0, ge=0)
+    """Inference steps this daemon's block server has run."""
+    tokens_served: int = spec(default=0, ge=0)
+    """Tokens (batch x positions) that went through this daemon's blocks."""

@@ -1,0 +1,369 @@
+"""The client library: talk to the local peerd daemon over its Unix socket.
+
+    from peerd.client import Client
+    with Client() as client:
+        for piece in client.generate("Once upon a time", max_new_tokens=32, stream=True):
+            print(piece, end="", flush=True)
+
+`AsyncClient` offers the same calls as coroutines on anyio, so it works under trio and asyncio
+alike (web frameworks included). Errors the daemon reports raise `PeerdError`.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+import wire
+from peerd import __version__
+from peerd.paths import default_socket_path
+
+READ_CHUNK = 1 << 16
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class PeerdError(Exception):
+    """The daemon refused or failed a request; `code` is machine-readable (wire.ErrorCode)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class DaemonNotRunning(PeerdError):
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(
+            "no_daemon",
+            f"no peerd daemon answers on {path} ({reason}); start one with "
+            "`peerd start --new-swarm` (or `--initial-peers MULTIADDR` to join a swarm), or "
+            "point to its socket with --socket / PEERD_SOCKET",
+        )
+
+
+@dataclass
+class GenerateOptions:
+    """Sampling and stopping settings of one generation (see wire.Generate)."""
+
+    max_new_tokens: int = 32
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Generation:
+    """What one finished generation gave."""
+
+    text: str
+    token_ids: list[int]
+    reason: str
+
+
+def socket_path(path: str | Path | None) -> Path:
+    import os
+
+    if path is not None:
+        return Path(path)
+    if env := os.environ.get("PEERD_SOCKET"):
+        return Path(env)
+    return default_socket_path()
+
+
+def _generate_request(
+    prompt: str | None,
+    input_ids: list[int] | None,
+    chat: bool,
+    session_id: str | None,
+    options: GenerateOptions,
+) -> wire.Generate:
+    try:
+        return wire.Generate(
+            prompt=prompt,
+            input_ids=tuple(input_ids) if input_ids is not None else None,
+            max_new_tokens=options.max_new_tokens,
+            do_sample=options.do_sample,
+            temperature=options.temperature,
+            top_k=options.top_k,
+            top_p=options.top_p,
+            repetition_penalty=options.repetition_penalty,
+            seed=options.seed,
+            stop=tuple(options.stop),
+            chat=chat,
+            session_id=session_id,
+        )
+    except (ValueError, TypeError) as e:
+        raise PeerdError("bad_request", str(e)) from e
+
+
+HELLO = wire.Hello(client=f"peerd.client {__version__}")
+
+
+def _hung_up(path: Path) -> PeerdError:
+    return PeerdError("connection_closed", f"the daemon on {path} hung up")
+
+
+def _check_reply(answer: wire.Message, reply: type[Any]) -> Any:
+    if not isinstance(answer, reply):
+        raise PeerdError("bad_reply", f"expected {reply.__name__}, got {type(answer).__name__}")
+    return answer
+
+
+def _raise_if_error(message: wire.Message) -> wire.Message:
+    if isinstance(message, wire.Error):
+        raise PeerdError(message.code, message.message)
+    return message
+
+
+class Client:
+    """A synchronous connection to the local daemon. Use as a context manager."""
+
+    def __init__(self, path: str | Path | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.path = socket_path(path)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(str(self.path))
+        except OSError as e:
+            self._sock.close()
+            raise DaemonNotRunning(self.path, e.strerror or str(e)) from None
+        self._decoder = wire.MessageDecoder()
+        self.welcome = self._request(HELLO, wire.Welcome)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def _send(self, message: wire.Message) -> None:
+        self._sock.sendall(wire.encode_message(message))
+
+    def _receive(self) -> wire.Message:
+        while True:
+            message = self._decoder.next_message()
+            if message is not None:
+                return _raise_if_error(message)
+            data = self._sock.recv(READ_CHUNK)
+            if not data:
+                raise _hung_up(self.path)
+            self._decoder.receive_data(data)
+
+    def _request(self, message: wire.Message, reply: type[Any]) -> Any:
+        self._send(message)
+        return _check_reply(self._receive(), reply)
+
+    def status(self) -> wire.StatusResponse:
+        return self._request(wire.StatusRequest(), wire.StatusResponse)
+
+    def stream_tokens(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: list[int] | None = None,
+        chat: bool = False,
+        session: str | None = None,
+        **options: Any,
+    ) -> Iterator[wire.GeneratedToken | wire.GenerateDone]:
+        """Every GeneratedToken as it is sampled, then the GenerateDone. Closing the iterator
+        early cancels the generation on the daemon."""
+        self._send(_generate_request(prompt, input_ids, chat, session, GenerateOptions(**options)))
+        done = False
+        try:
+            while True:
+                try:
+                    message = self._receive()
+                except PeerdError:
+                    done = True  # the daemon ended this request with an error
+                    raise
+                if isinstance(message, wire.GenerateDone):
+                    done = True
+                    yield message
+                    return
+                if not isinstance(message, wire.GeneratedToken):
+                    raise PeerdError("bad_reply", f"unexpected {type(message).__name__}")
+                yield message
+        finally:
+            if not done:
+                self.cancel()
+
+    def cancel(self) -> None:
+        """Stop the generation in flight and wait for its GenerateDone."""
+        self._send(wire.Cancel())
+        while not isinstance(self._receive(), wire.GenerateDone):
+            pass
+
+    def generate(self, prompt: str | None = None, *, stream: bool = False, **kwargs: Any) -> Any:
+        """The generated text, or with stream=True an iterator of text pieces as they arrive
+        (never half a UTF-8 character). kwargs: input_ids, chat, session and GenerateOptions."""
+        pieces = self._pieces(prompt, **kwargs)
+        return pieces if stream else "".join(pieces)
+
+    def _pieces(self, prompt: str | None, **kwargs: Any) -> Iterator[str]:
+        for message in self.stream_tokens(prompt, **kwargs):
+            if isinstance(message, wire.GeneratedToken) and message.text:
+                yield message.text
+
+    def generate_full(self, prompt: str | None = None, **kwargs: Any) -> Generation:
+        text: list[str] = []
+        ids: list[int] = []
+        reason = ""
+        for message in self.stream_tokens(prompt, **kwargs):
+            if isinstance(message, wire.GeneratedToken):
+                text.append(message.text)
+                ids.append(message.token_id)
+            else:
+                reason = message.reason
+        return Generation("".join(text), ids, reason)
+
+    # --- inference sessions -----------------------------------------------------------------
+
+    def open_session(self, max_length: int, batch_size: int = 1) -> str:
+        opened = self._request(
+            wire.OpenInference(max_length=max_length, batch_size=batch_size), wire.InferenceOpened
+        )
+        self.last_route: tuple[str, ...] = opened.route
+        return str(opened.session_id)
+
+    def step(self, session: str, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Hidden states after the embeddings -> hidden states after the last block."""
+        output = self._request(
+            wire.InferenceStep(session_id=session, hidden_states=hidden_states),
+            wire.InferenceOutput,
+        )
+        return output.hidden_states
+
+    def close_session(self, session: str) -> None:
+        self._request(wire.CloseInference(session_id=session), wire.InferenceClosed)
+
+
+class AsyncClient:
+    """The same calls as Client, as coroutines on anyio (trio or asyncio)."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = socket_path(path)
+        self._stream: anyio.abc.ByteStream | None = None
+        self._decoder = wire.MessageDecoder()
+        self._lock = anyio.Lock()
+        self.welcome: wire.Welcome | None = None
+
+    async def __aenter__(self) -> AsyncClient:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def connect(self) -> None:
+        try:
+            self._stream = await anyio.connect_unix(str(self.path))
+        except OSError as e:
+            raise DaemonNotRunning(self.path, e.strerror or str(e)) from None
+        self.welcome = await self._request(
+            wire.Hello(client=f"peerd.client {__version__}"), wire.Welcome
+        )
+
+    async def aclose(self) -> None:
+        if self._stream is not None:
+            await self._stream.aclose()
+            self._stream = None
+
+    async def _send(self, message: wire.Message) -> None:
+        assert self._stream is not None, "connect() first"
+        await self._stream.send(bytes(wire.encode_message(message)))
+
+    async def _receive(self) -> wire.Message:
+        assert self._stream is not None, "connect() first"
+        while True:
+            message = self._decoder.next_message()
+            if message is not None:
+                return _raise_if_error(message)
+            try:
+                data = await self._stream.receive(READ_CHUNK)
+            except anyio.EndOfStream:
+                raise PeerdError(
+                    "connection_closed", f"the daemon on {self.path} hung up"
+                ) from None
+            self._decoder.receive_data(data)
+
+    async def _request(self, message: wire.Message, reply: type[Any]) -> Any:
+        await self._send(message)
+        return _check_reply(await self._receive(), reply)
+
+    async def status(self) -> wire.StatusResponse:
+        return await self._request(wire.StatusRequest(), wire.StatusResponse)
+
+    async def stream_tokens(
+        self,
+        prompt: str | None = None,
+        *,
+        input_ids: list[int] | None = None,
+        chat: bool = False,
+        session: str | None = None,
+        **options: Any,
+    ) -> AsyncIterator[wire.GeneratedToken | wire.GenerateDone]:
+        await self._send(
+            _generate_request(prompt, input_ids, chat, session, GenerateOptions(**options))
+        )
+        done = False
+        try:
+            while True:
+                try:
+                    message = await self._receive()
+                except PeerdError:
+                    done = True  # the daemon ended this request with an error
+                    raise
+                if isinstance(message, wire.GenerateDone):
+                    done = True
+                    yield message
+                    return
+                if not isinstance(message, wire.GeneratedToken):
+                    raise PeerdError("bad_reply", f"unexpected {type(message).__name__}")
+                yield message
+        finally:
+            if not done and self._stream is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.cancel()
+
+    async def cancel(self) -> None:
+        await self._send(wire.Cancel())
+        while not isinstance(await self._receive(), wire.GenerateDone):
+            pass
+
+    async def generate(self, prompt: str | None = None, **kwargs: Any) -> str:
+        pieces = [piece async for piece in self.stream(prompt, **kwargs)]
+        return "".join(pieces)
+
+    async def stream(self, prompt: str | None = None, **kwargs: Any) -> AsyncIterator[str]:
+        """Text pieces as they are sampled (never half a UTF-8 character)."""
+        async for message in self.stream_tokens(prompt, **kwargs):
+            if isinstance(message, wire.GeneratedToken) and message.text:
+                yield message.text
+
+    async def open_session(self, max_length: int, batch_size: int = 1) -> str:
+        opened = await self._request(
+            wire.OpenInference(max_length=max_length, batch_size=batch_size), wire.InferenceOpened
+        )
+        return str(opened.session_id)
+
+    async def step(self, session: str, hidden_states: torch.Tensor) -> torch.Tensor:
+        output = await self._request(
+            wire.InferenceStep(session_id=session, hidden_states=hidden_states),
+            wire.InferenceOutput,
+        )
+        return output.hidden_states
+
+    async def close_session(self, session: str) -> None:
+        await self._request(wire.CloseInference(session_id=session), wire.InferenceClosed)
