@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -93,51 +95,124 @@ def start(
         pass
 
 
+def _client(socket: Path | None) -> Any:
+    from peerd.client import Client, DaemonNotRunning
+
+    try:
+        return Client(socket)
+    except DaemonNotRunning as e:
+        typer.echo(f"peerd: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+def _options(
+    max_new_tokens: int,
+    do_sample: bool,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    repetition_penalty: float,
+    seed: int | None,
+    stop: list[str],
+) -> Any:
+    from peerd.client import GenerateOptions
+
+    return GenerateOptions(
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+        stop=tuple(stop),
+    )
+
+
+SOCKET_OPTION = typer.Option(None, help="The daemon's local API socket (default: per-user).")
+MAX_NEW_TOKENS = typer.Option(128, min=1, help="Most tokens to generate.")
+DO_SAMPLE = typer.Option(False, "--do-sample", help="Sample instead of greedy decoding.")
+TEMPERATURE = typer.Option(1.0, min=0.0, help="Sampling temperature.")
+TOP_K = typer.Option(None, min=1, help="Sample among the k likeliest tokens.")
+TOP_P = typer.Option(None, min=0.0, max=1.0, help="Nucleus sampling mass.")
+REPETITION_PENALTY = typer.Option(1.0, min=0.0, help="Penalty for repeated tokens (>1).")
+SEED = typer.Option(None, min=0, help="Seed for reproducible sampling.")
+STOP = typer.Option([], "--stop", help="Stop sequence (repeatable).")
+
+
 @app.command()
 def generate(
-    prompt: str = typer.Option(..., help="Text to continue."),
-    initial_peers: list[str] = typer.Option(
-        ..., "--initial-peers", help="Full multiaddr of a swarm peer (repeatable)."
-    ),
-    model: str = typer.Option("default", help="'default' or a checkpoint dir."),
-    max_new_tokens: int = typer.Option(32, min=1),
-    chat: bool = typer.Option(False, help="Apply the model's chat template to the prompt."),
-    show_route: bool = typer.Option(False, "--show-route", help="Print the route and tokens/s."),
+    prompt: str = typer.Argument(..., help="Text to continue (or a question with --chat)."),
+    socket: Path | None = SOCKET_OPTION,
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the chat template."),
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    do_sample: bool = DO_SAMPLE,
+    temperature: float = TEMPERATURE,
+    top_k: int | None = TOP_K,
+    top_p: float | None = TOP_P,
+    repetition_penalty: float = REPETITION_PENALTY,
+    seed: int | None = SEED,
+    stop: list[str] = STOP,
 ) -> None:
-    """Generate text through the swarm (greedy), without serving blocks."""
-    import trio
+    """Generate text once through the local daemon, streaming it to stdout."""
+    from peerd.client import PeerdError
+    from peerd.terminal import stream_answer
 
-    from peerd.daemon import configure_logging
-    from peerd.generation import encode_prompt
-    from peerd.inference import InferenceSession
-    from peerd.leech import open_leech
+    options = _options(
+        max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, seed, stop
+    )
+    with _client(socket) as client:
+        try:
+            stream_answer(client, prompt, sys.stdout, chat=chat, session=None, **vars(options))
+        except PeerdError as e:
+            typer.echo(f"peerd: {e}", err=True)
+            raise typer.Exit(1) from None
 
-    configure_logging("warning")
 
-    async def main() -> None:
-        import time
+@app.command()
+def chat(
+    socket: Path | None = SOCKET_OPTION,
+    prompt: str | None = typer.Option(None, help="Answer this one message and exit."),
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    do_sample: bool = DO_SAMPLE,
+    temperature: float = TEMPERATURE,
+    top_k: int | None = TOP_K,
+    top_p: float | None = TOP_P,
+    repetition_penalty: float = REPETITION_PENALTY,
+    seed: int | None = SEED,
+) -> None:
+    """Chat with the model at the terminal (one conversation, servers keep its cache)."""
+    from peerd.client import PeerdError
+    from peerd.terminal import run_chat, stream_answer
 
-        async with open_leech(model, initial_peers) as leech:
-            tokenizer = leech.client.tokenizer
-            ids = encode_prompt(tokenizer, prompt, chat=chat)
-            started = time.perf_counter()
-            tokens: list[int] = []
-            eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-            async with InferenceSession(
-                leech.swarm, max_length=ids.shape[1] + max_new_tokens
-            ) as session:
-                async for token in leech.generator.generate(
-                    ids, max_new_tokens, session=session, eos_token_ids=eos
-                ):
-                    tokens.append(int(token[0, 0]))
-                route = session.describe_route()
-            elapsed = time.perf_counter() - started
-            typer.echo(tokenizer.decode(tokens, skip_special_tokens=True))
-            if show_route:
-                typer.echo(f"route: {route}", err=True)
-                typer.echo(f"{len(tokens)} tokens, {len(tokens) / elapsed:.1f} tokens/s", err=True)
+    options = _options(
+        max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, seed, []
+    )
+    with _client(socket) as client:
+        try:
+            if prompt is not None:
+                stream_answer(client, prompt, sys.stdout, chat=True, session=None, **vars(options))
+            else:
+                run_chat(client, options)
+        except PeerdError as e:
+            typer.echo(f"peerd: {e}", err=True)
+            raise typer.Exit(1) from None
 
-    trio.run(main)
+
+@app.command()
+def status(
+    socket: Path | None = SOCKET_OPTION,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """What the local daemon serves and which servers of the swarm it sees."""
+    from peerd.terminal import format_status
+
+    with _client(socket) as client:
+        reply = client.status()
+    if as_json:
+        typer.echo(json.dumps(reply.to_dict()))
+    else:
+        typer.echo(format_status(reply))
 
 
 @app.command()

@@ -152,10 +152,11 @@ class _Connection:
         send, receive = trio.open_memory_channel[wire.Message](16)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._work, receive)
-            try:
-                await self._read(send)
-            finally:
-                nursery.cancel_scope.cancel()
+            # When the client stops sending, requests already read are still answered (a
+            # client may half-close after its last request); a generation in flight stops.
+            await self._read(send)
+            if self._generation is not None:
+                self._generation.cancel()
 
     async def _read(self, requests: trio.MemorySendChannel[wire.Message]) -> None:
         async with requests:

@@ -12,7 +12,7 @@ alike (web frameworks included). Errors the daemon reports raise `PeerdError`.
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,8 +176,8 @@ class Client:
         chat: bool = False,
         session: str | None = None,
         **options: Any,
-    ) -> Iterator[wire.GeneratedToken | wire.GenerateDone]:
-        """Every GeneratedToken as it is sampled, then the GenerateDone. Closing the iterator
+    ) -> Generator[wire.GeneratedToken | wire.GenerateDone, None, None]:
+        """Every GeneratedToken as it is sampled, then the GenerateDone. Closing the generator
         early cancels the generation on the daemon."""
         self._send(_generate_request(prompt, input_ids, chat, session, GenerateOptions(**options)))
         done = False

@@ -1,0 +1,210 @@
+"""The local API end to end: the client library, `peerd generate`, `peerd chat` in a
+pseudo-terminal, and malformed input on the socket, against a live swarm of three daemons."""
+
+from __future__ import annotations
+
+import random
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pexpect
+import pytest
+import torch
+
+import blocks
+import wire
+from peerd.client import Client, DaemonNotRunning, PeerdError
+from peerd.localswarm import LocalSwarm
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+PROMPT = "Once upon a time, there was a little"
+
+
+@pytest.fixture(scope="module")
+def local_model() -> tuple[object, object]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = blocks.resolve_checkpoint("default")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model, tokenizer
+
+
+def local_greedy(local_model: tuple[object, object], prompt: str, n: int) -> list[int]:
+    model, tokenizer = local_model
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]  # type: ignore[operator]
+    out = model.generate(ids, max_new_tokens=n, do_sample=False)  # type: ignore[attr-defined]
+    return [int(t) for t in out[0, ids.shape[1] :]]
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[LocalSwarm]:
+    local = LocalSwarm()
+    try:
+        local.start("a", "0:10")
+        local.start("b", "10:20")
+        local.start("c", "20:30")
+        yield local
+    finally:
+        local.stop()
+
+
+def test_greedy_through_client_library_equals_transformers(swarm: LocalSwarm, local_model) -> None:  # type: ignore[no-untyped-def]
+    expected = local_greedy(local_model, PROMPT, 24)
+    with Client(swarm.daemons[0].socket) as client:
+        result = client.generate_full(PROMPT, max_new_tokens=24)
+        streamed = "".join(client.generate(PROMPT, max_new_tokens=24, stream=True))
+    assert result.token_ids == expected
+    assert result.reason == "length"
+    assert streamed == result.text
+    _, tokenizer = local_model
+    assert result.text == tokenizer.decode(expected, skip_special_tokens=True)  # type: ignore[attr-defined]
+
+
+def test_peerd_generate_command_equals_transformers(swarm: LocalSwarm, local_model) -> None:  # type: ignore[no-untyped-def]
+    expected = local_greedy(local_model, PROMPT, 16)
+    _, tokenizer = local_model
+    run = subprocess.run(
+        [sys.executable, "-m", "cli", "generate", PROMPT, "--max-new-tokens", "16",
+         "--socket", str(swarm.daemons[1].socket)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert run.stdout.rstrip("\n") == tokenizer.decode(expected, skip_special_tokens=True)  # type: ignore[attr-defined]
+
+
+def test_sampling_with_a_seed_is_reproducible(swarm: LocalSwarm) -> None:
+    with Client(swarm.daemons[0].socket) as client:
+        options = {"do_sample": True, "temperature": 1.3, "top_k": 50, "top_p": 0.95}
+        first = client.generate_full(PROMPT, max_new_tokens=12, seed=7, **options)
+        again = client.generate_full(PROMPT, max_new_tokens=12, seed=7, **options)
+        other = client.generate_full(PROMPT, max_new_tokens=12, seed=8, **options)
+    assert first.token_ids == again.token_ids
+    assert other.token_ids != first.token_ids
+
+
+def test_stop_sequences_and_cancel(swarm: LocalSwarm) -> None:
+    with Client(swarm.daemons[2].socket) as client:
+        stopped = client.generate_full(PROMPT, max_new_tokens=30, stop=("Emma",))
+        assert stopped.reason == "stop" and "Emma" not in stopped.text
+        pieces = client.stream_tokens(PROMPT, max_new_tokens=200)
+        for _ in range(3):
+            next(pieces)
+        pieces.close()  # cancels on the daemon, which answers GenerateDone(cancelled)
+        assert client.generate_full(PROMPT, max_new_tokens=4).reason == "length"
+
+
+def test_chat_in_a_terminal_reuses_the_session(swarm: LocalSwarm) -> None:
+    def served() -> int:
+        total = 0
+        for daemon in swarm.daemons:
+            with Client(daemon.socket) as client:
+                total += client.status().tokens_served
+        return total
+
+    chat = pexpect.spawn(
+        sys.executable,
+        ["-m", "cli", "chat", "--socket", str(swarm.daemons[0].socket), "--max-new-tokens", "24"],
+        encoding="utf-8",
+        timeout=120,
+    )
+    try:
+        chat.expect("peerd chat with smollm2-135m-instruct through 3 servers")
+        chat.expect(">>> ")
+        chat.sendline("What is the capital of France?")
+        chat.expect(r"\[(\d+) tokens, [\d.]+ tokens/s\]")
+        answer = chat.before
+        assert "Paris" in answer
+        chat.expect(">>> ")
+        before = served()
+        chat.sendline("And of Italy?")
+        chat.expect(r"\[(\d+) tokens, [\d.]+ tokens/s\]")
+        second_tokens = int(chat.match.group(1))
+        assert "Rome" in chat.before
+        chat.expect(">>> ")
+        turn_two = (served() - before) // 3  # each of the three servers saw the same tokens
+        chat.sendline("/route")
+        chat.expect("route: .*->.*->")
+        chat.sendline("/quit")
+        chat.expect(pexpect.EOF)
+    finally:
+        chat.close(force=True)
+    # Were the history re-sent, turn two would run the whole templated conversation (system
+    # prompt, first question and answer, second question) through the servers.
+    _, tokenizer = (None, blocks.load_client_side("default").tokenizer)
+    history = tokenizer.apply_chat_template(
+        [
+            {"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": answer.strip()},
+            {"role": "user", "content": "And of Italy?"},
+        ],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
+    new_turn = tokenizer("And of Italy?")["input_ids"]
+    assert turn_two < len(history) - 10, (turn_two, len(history))
+    assert turn_two <= len(new_turn) + 12 + second_tokens
+
+
+def test_no_daemon_is_a_clear_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(DaemonNotRunning, match="peerd start"):
+        Client(tmp_path / "nothing.sock")
+    run = subprocess.run(
+        [sys.executable, "-m", "cli", "chat", "--socket", str(tmp_path / "x.sock")],
+        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert run.returncode == 2 and "peerd start" in run.stderr
+
+
+def test_malformed_requests_get_errors_and_the_daemon_keeps_serving(swarm: LocalSwarm) -> None:
+    path = str(swarm.daemons[0].socket)
+    rng = random.Random(1234)
+    valid = [
+        bytes(wire.encode_message(m))
+        for m in (
+            wire.Hello(),
+            wire.StatusRequest(),
+            wire.Generate(prompt="hi", max_new_tokens=1),
+            wire.InferenceStep(session_id="nope", hidden_states=torch.zeros(1, 1, 576)),
+        )
+    ]
+
+    def mutate(frame: bytes) -> bytes:
+        data = bytearray(frame)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        return bytes(data[: rng.randint(1, len(data))]) if rng.random() < 0.3 else bytes(data)
+
+    answers = 0
+    for i in range(300):
+        kind = i % 3
+        if kind == 0:
+            payload = bytes(rng.randrange(256) for _ in range(rng.randint(1, 64)))
+        elif kind == 1:
+            payload = mutate(rng.choice(valid))
+        else:  # well-framed but not a request the daemon accepts
+            payload = bytes(wire.encode_message(wire.StepResult(
+                session_id="x", step_id=0, hidden_states=torch.zeros(1, 1, 2))))  # fmt: skip
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(path)
+            sock.sendall(payload)
+            sock.shutdown(socket.SHUT_WR)
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        decoder = wire.MessageDecoder()
+        decoder.receive_data(data)
+        decoder.receive_data(b"")
+        replies = list(decoder)
+        answers += sum(isinstance(r, wire.Error) for r in replies)
+        assert all(isinstance(r, wire.Message) for r in replies)
+    assert answers > 100  # garbage is answered with an Error, not silence or a crash
+    with Client(path) as client:
+        assert client.generate_full(PROMPT, max_new_tokens=4).reason == "length"
+        with pytest.raises(PeerdError, match="session"):
+            client.step("no-such-session", torch.zeros(1, 1, 576))
+        assert client.generate_full(PROMPT, max_new_tokens=2).reason == "length"
