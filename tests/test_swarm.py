@@ -226,3 +226,16 @@ async def test_restarted_server_is_routed_again(three_servers: LocalSwarm) -> No
         print(f"restarted server back in the view after {time.perf_counter() - started:.2f} s")
         route = leech.swarm.plan()
         assert [hop.peer_id for hop in route][1] == middle.peer_id
+
+
+async def test_sigterm_drains_and_removes_the_socket() -> None:
+    swarm = LocalSwarm()
+    try:
+        daemon = swarm.start("solo", "0:30")
+        assert daemon.socket.exists()
+        started = time.perf_counter()
+        assert daemon.terminate(timeout=60) == 0
+        print(f"SIGTERM to exit: {time.perf_counter() - started:.2f} s")
+        assert not daemon.socket.exists()
+    finally:
+        swarm.stop()
