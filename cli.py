@@ -53,6 +53,9 @@ def start(
     ),
     cache_tokens: int = typer.Option(16384, min=1, help="KV cache budget in tokens."),
     refresh_period: float = typer.Option(60.0, min=0.1, help="Seconds between DHT announces."),
+    rebalance_period: float = typer.Option(
+        120.0, min=0.1, help="With --blocks auto or N: seconds between checks for a better span."
+    ),
     torch_threads: int | None = typer.Option(None, min=1, help="torch threads for compute."),
     socket: Path | None = typer.Option(
         None, help="Local API socket (default: $XDG_RUNTIME_DIR/peerd/peerd.sock)."
@@ -83,6 +86,7 @@ def start(
         memory_budget=memory_budget,
         cache_tokens=cache_tokens,
         refresh_period=refresh_period,
+        rebalance_period=rebalance_period,
         torch_threads=torch_threads,
         socket=socket,
     )

@@ -342,6 +342,12 @@ class AsyncClient:
         while not isinstance(await self._receive(), wire.GenerateDone):
             pass
 
+    async def request_cancel(self) -> None:
+        """Ask the daemon to stop the generation in flight, from another task than the one
+        iterating stream_tokens: that iterator still gets the tokens sampled meanwhile, then
+        GenerateDone("cancelled") with the true token count."""
+        await self._send(wire.Cancel())
+
     async def generate(self, prompt: str | None = None, **kwargs: Any) -> str:
         pieces = [piece async for piece in self.stream(prompt, **kwargs)]
         return "".join(pieces)

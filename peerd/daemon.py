@@ -33,7 +33,7 @@ from peerd.p2p import (
 from peerd.paths import default_socket_path, state_dir
 from peerd.server import BlockServer, ServerLimits
 from peerd.swarm import SwarmView
-from routing.block_selection import blocks_that_fit, choose_blocks
+from routing.block_selection import better_span, blocks_that_fit, choose_blocks, recheck_delay
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class DaemonConfig:
     memory_budget: int | None = None
     cache_tokens: int = DEFAULT_CACHE_TOKENS
     refresh_period: float = 60.0
+    rebalance_period: float = 120.0  # --blocks auto|N: how often to re-check the span
     torch_threads: int | None = None
     socket: Path | None = None  # None: the per-user default (peerd.paths.default_socket_path)
     limits: ServerLimits = field(default_factory=ServerLimits)
@@ -191,14 +192,40 @@ class Daemon:
         self.node.host.set_stream_handler(INFO_PROTOCOL, server.handle_info)
         # Announce while joining, so servers starting after us pick other blocks.
         nursery.start_soon(self._announce_forever)
+        await self._load_and_go_online(start, end)
+        self.node.host.set_stream_handler(INFERENCE_PROTOCOL, server.handle_inference)
+        if kind != "span":
+            nursery.start_soon(self._rebalance_forever)
+
+    async def _load_and_go_online(self, start: int, end: int) -> None:
+        assert self.server is not None
         span = await trio.to_thread.run_sync(
             blocks.load_span, self.checkpoint, start, end, torch.float32, "cpu"
         )
-        cache = blocks.MemoryCache(budget_tokens=config.cache_tokens)
+        cache = blocks.MemoryCache(budget_tokens=self.config.cache_tokens)
         throughput = await self._throughput(span)
-        server.go_online(span, cache, throughput)
-        self.node.host.set_stream_handler(INFERENCE_PROTOCOL, server.handle_inference)
+        self.server.go_online(span, cache, throughput)
         log.info("online: blocks %d:%d, %.1f tokens/s", start, end, throughput)
+
+    async def _rebalance_forever(self) -> None:
+        """A server that chose its own blocks re-checks now and then whether the swarm would
+        gain clearly from it serving others (a server left, new ones joined); if so it drains
+        its sessions, loads the new blocks and announces them. Jittered, so servers that see
+        the same gap do not all move at once."""
+        assert self.server is not None and self.swarm is not None
+        rng = random.Random()
+        while True:
+            await trio.sleep(recheck_delay(rng, self.config.rebalance_period))
+            await self.swarm.refresh()
+            target = better_span(self.swarm.snapshot(), self.server.record())
+            if target is None:
+                continue
+            old = (self.server.start, self.server.end)
+            log.info("moving from blocks %d:%d to %d:%d: the swarm needs them more", *old, *target)
+            await self.drain()
+            self.server.move_to(*target)
+            await self.swarm.announce(range(*target))
+            await self._load_and_go_online(*target)
 
     def _blocks_that_fit(self) -> int:
         config = self.config
@@ -287,6 +314,11 @@ class Daemon:
         with trio.move_on_after(DRAIN_DEADLINE_S):
             while self.server.open_sessions:
                 await trio.sleep(0.1)
+        # Past the deadline: end the rest (their clients fail over to other servers).
+        self.server.end_sessions()
+        with trio.move_on_after(5):
+            while self.server.open_sessions:
+                await trio.sleep(0.05)
 
 
 def _default_identity_path() -> Path:

@@ -244,6 +244,11 @@ class BlockServer:
         self, request: wire.OpenSession, session: SpanSession, message: wire.Step
     ) -> torch.Tensor:
         """Check one step against the session's limits, then run it on the compute queue."""
+        if self.span is None or not (self.start <= request.start and request.end <= self.end):
+            raise wire.ProtocolError(
+                f"this server now holds blocks {self.start}:{self.end} ({self.state.value}); "
+                "open a session elsewhere"
+            )
         hidden = self._check_step(message, request, session)
         if message.start_position is not None:
             session.rollback(message.start_position)
@@ -307,6 +312,21 @@ class BlockServer:
         log.info("refused a request from %s: %s", messages.remote_peer, text)
         with contextlib.suppress(PeerGone):
             await messages.send(wire.Error(code=code, message=text))
+
+    def end_sessions(self) -> None:
+        """Close every open session now; their clients see the stream end and re-route."""
+        for scope in list(self._open_sessions):
+            scope.cancel()
+
+    def move_to(self, start: int, end: int) -> None:
+        """Announce other blocks (state joining) until go_online with their span; the old
+        span and its caches are dropped."""
+        if self._open_sessions:
+            raise RuntimeError("drain the open sessions before moving")
+        self._start, self._end = start, end
+        self.span, self.cache = None, None
+        self._subspans.clear()
+        self.state = ServerState.JOINING
 
     def drain(self) -> None:
         """Take no new sessions; open ones go on until they end or the daemon stops."""

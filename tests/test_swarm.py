@@ -239,3 +239,35 @@ async def test_sigterm_drains_and_removes_the_socket() -> None:
         assert not daemon.socket.exists()
     finally:
         swarm.stop()
+
+
+async def test_auto_servers_move_to_fill_a_gap() -> None:
+    """Four --blocks auto servers of 10 blocks each; the one holding 10:20 dies; one of the
+    two holding the same other span moves there, and the model is whole again."""
+    swarm = LocalSwarm()
+    auto = ["--memory-budget", str(10 * 15 * 2**20), "--cache-tokens", "1024",
+            "--rebalance-period", "2"]  # fmt: skip
+    try:
+        daemons = [swarm.start(name, "auto", *auto) for name in ("w", "x", "y", "z")]
+        spans = [d.span for d in daemons]
+        victim = next(d for d in daemons if d.span == (10, 20))
+        assert sorted(set(spans)) == [(0, 10), (10, 20), (20, 30)], spans
+        victim.kill()
+        started = time.perf_counter()
+        # Generous deadlines: on a loaded 2-core machine a move (drain, load, announce) is slow.
+        async with open_leech(
+            "default", swarm.initial_peers, refresh_period=2.0, wait_for_coverage_s=120
+        ) as leech:
+            with trio.fail_after(120):
+                while True:
+                    await leech.swarm.refresh()
+                    snapshot = leech.swarm.snapshot()
+                    if not snapshot.uncovered_blocks() and victim.peer_id not in snapshot.by_peer:
+                        break
+                    await trio.sleep(0.5)
+            healed = time.perf_counter() - started
+            tokens = await _generate(leech, leech.client.tokenizer(PROMPT)["input_ids"], 4)
+        print(f"blocks 10:20 served again {healed:.1f} s after their server died")
+        assert len(tokens) == 4
+    finally:
+        swarm.stop()

@@ -1,0 +1,333 @@
+"""The gateway's hold on the local daemon: what model it runs (name, tokenizer, context length),
+connections to it through peerd.client.AsyncClient, and one generation as a stream of text pieces.
+
+Every API of the gateway is a translation onto `DaemonLink.generate`; errors become
+`GatewayError`, which each API renders in its own shape.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+import wire
+from peerd.client import AsyncClient, PeerdError
+from peerd.server import ServerLimits, info_to_record
+from routing.planner import NoRouteError
+from routing.records import SwarmSnapshot, contiguous_ranges
+
+SESSION_SLOTS = ServerLimits().max_sessions_per_peer
+"""Generations and v2 sessions in flight at once. Each holds an inference session on every server
+of its route, all opened by our one daemon, and a server takes at most this many sessions from one
+peer: one more is refused, and the refusal makes the daemon ban that server for a while (for all
+its clients). So the gateway queues beyond this instead of failing everyone."""
+
+SLOT_WAIT_S = 120.0
+"""How long a request waits in that queue before it gets 503: a couple of long answers' time."""
+
+DEFAULT_MODEL = "default"
+
+
+class GatewayError(Exception):
+    """A request the gateway refuses or could not serve: `status` is the HTTP status, `code` a
+    short machine-readable reason, `param` the request field at fault (if one is)."""
+
+    def __init__(self, status: int, code: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.param = param
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+# Daemon error codes (wire.ErrorCode and the local API's own) -> HTTP status.
+_DAEMON_STATUS = {
+    "bad_request": 400,
+    "out_of_cache": 400,
+    "unsupported": 404,
+    "no_route": 503,
+    "inference_failed": 503,
+    "busy": 503,
+    "no_daemon": 503,
+    "connection_closed": 503,
+}
+
+
+def daemon_error(error: PeerdError) -> GatewayError:
+    code = "context_length_exceeded" if error.code == "out_of_cache" else error.code
+    return GatewayError(_DAEMON_STATUS.get(error.code, 500), code, str(error))
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to pick tokens and when to stop (the daemon's wire.Generate fields)."""
+
+    max_new_tokens: int
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def options(self) -> dict[str, Any]:
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "do_sample": self.do_sample,
+            "temperature": self.temperature if self.do_sample else 1.0,
+            "top_k": self.top_k if self.do_sample else None,
+            "top_p": self.top_p if self.do_sample else None,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+            "stop": self.stop,
+        }
+
+
+@dataclass(frozen=True)
+class Piece:
+    """New text of a generation, and how many tokens it took (a token may decode to no text on
+    its own, half a UTF-8 character say, and then counts with the next piece)."""
+
+    text: str
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """The generation ended: `reason` is length, stop, eos or cancelled; `tokens` counts the
+    tokens no Piece reported (an end-of-sequence token, say); `total` all the tokens sampled."""
+
+    reason: str
+    tokens: int
+    total: int
+
+
+@dataclass
+class ModelFacts:
+    """The model the daemon runs, as the gateway needs it."""
+
+    name: str
+    num_blocks: int
+    context_length: int
+    tokenizer: Any
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def accepts(self, requested: str | None) -> bool:
+        return requested in (None, "", DEFAULT_MODEL, self.name)
+
+    def check_model(self, requested: str | None, param: str = "model") -> None:
+        if not self.accepts(requested):
+            raise GatewayError(
+                404,
+                "model_not_found",
+                f"this gateway serves {self.name!r} (also called {DEFAULT_MODEL!r}), "
+                f"not {requested!r}",
+                param,
+            )
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        with self._lock:  # a fast tokenizer may not be called from two threads at once
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        with self._lock:
+            return list(
+                self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+
+    async def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return await anyio.to_thread.run_sync(self._encode, text, add_special_tokens)
+
+    async def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The token ids of a conversation in the model's chat template, ready for its answer
+        (exactly what the daemon feeds for a chat turn)."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise GatewayError(
+                400,
+                "no_chat_template",
+                f"{self.name} has no chat template: send plain text to /v1/completions",
+            )
+        return await anyio.to_thread.run_sync(self._encode_chat, messages)
+
+    def check_room(
+        self, prompt_tokens: int, max_new_tokens: int, *, param: str = "max_new_tokens"
+    ) -> None:
+        if prompt_tokens + max_new_tokens > self.context_length:
+            raise GatewayError(
+                400,
+                "context_length_exceeded",
+                f"the prompt is {prompt_tokens} tokens and asks for {max_new_tokens} more, but "
+                f"{self.name} reads at most {self.context_length} tokens: shorten the prompt or "
+                f"ask for fewer new tokens",
+                param,
+            )
+
+
+class DaemonLink:
+    """The daemon on `socket_path`, as every request of one gateway sees it."""
+
+    def __init__(self, socket_path: str | Path | None, checkpoint: str | Path | None = None):
+        self.socket_path = socket_path
+        self.checkpoint = checkpoint
+        self._facts: ModelFacts | None = None
+        self._facts_lock = anyio.Lock()
+        self._slots = anyio.Semaphore(SESSION_SLOTS)
+        self.generations_in_flight = 0
+
+    @asynccontextmanager
+    async def connect(self) -> AsyncIterator[AsyncClient]:
+        """A fresh connection to the daemon (one per request: the daemon runs one request at a
+        time per connection, and closing it frees whatever sessions it opened)."""
+        client = AsyncClient(self.socket_path)
+        try:
+            await client.connect()
+        except PeerdError as e:
+            raise daemon_error(e) from e
+        try:
+            yield client
+        finally:
+            with anyio.CancelScope(shield=True):
+                await client.aclose()
+
+    @asynccontextmanager
+    async def session_slot(self) -> AsyncIterator[None]:
+        """Wait for one of SESSION_SLOTS; 503 after SLOT_WAIT_S."""
+        acquired = False
+        with anyio.move_on_after(SLOT_WAIT_S):
+            await self._slots.acquire()
+            acquired = True
+        if not acquired:
+            raise GatewayError(
+                503,
+                "busy",
+                f"all {SESSION_SLOTS} generation slots of this gateway stayed busy for "
+                f"{SLOT_WAIT_S:.0f} s: try again shortly",
+            )
+        self.generations_in_flight += 1
+        try:
+            yield
+        finally:
+            self.generations_in_flight -= 1
+            self._slots.release()
+
+    async def generate(
+        self, sampling: Sampling, **request: Any
+    ) -> AsyncGenerator[Piece | Done, None]:
+        """run_generation on a connection of its own, holding a session slot throughout."""
+        async with self.session_slot(), self.connect() as client:
+            async with aclosing(run_generation(client, sampling, **request)) as events:
+                async for item in events:
+                    yield item
+
+    async def model(self) -> ModelFacts:
+        """What the daemon runs, learnt on first use (the tokenizer loads once)."""
+        async with self._facts_lock:
+            if self._facts is None:
+                async with self.connect() as client:
+                    welcome = client.welcome
+                assert welcome is not None
+                self._facts = await anyio.to_thread.run_sync(self._load_facts, welcome)
+            return self._facts
+
+    def _load_facts(self, welcome: wire.Welcome) -> ModelFacts:
+        from transformers import AutoTokenizer
+
+        import blocks
+        from blocks.checkpoint import load_config
+
+        try:
+            path = blocks.resolve_checkpoint(self.checkpoint or welcome.model)
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            config = load_config(path)
+        except (OSError, ValueError, blocks.BlocksError) as e:
+            raise GatewayError(
+                503,
+                "model_not_found",
+                f"the daemon runs {welcome.model}, whose tokenizer this gateway cannot load "
+                f"({e}): give the checkpoint directory with `peerd gateway --model DIR`",
+            ) from e
+        context = getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length
+        return ModelFacts(
+            name=welcome.model,
+            num_blocks=welcome.num_blocks,
+            context_length=int(min(context, wire.MAX_SESSION_TOKENS)),
+            tokenizer=tokenizer,
+        )
+
+    async def swarm_status(self) -> dict[str, Any]:
+        """What the daemon knows of the swarm, and which blocks no online server holds (with the
+        routing layer's own message for it)."""
+        facts = await self.model()
+        async with self.connect() as client:
+            try:
+                status = await client.status()
+            except PeerdError as e:
+                raise daemon_error(e) from e
+        records = []
+        for info in status.swarm:
+            try:
+                records.append(info_to_record(info))
+            except ValueError:
+                continue
+        snapshot = SwarmSnapshot.from_records(facts.name, facts.num_blocks, records)
+        missing = contiguous_ranges(snapshot.uncovered_blocks())
+        return {
+            "model": facts.name,
+            "num_blocks": facts.num_blocks,
+            "context_length": facts.context_length,
+            "peer_id": status.peer_id,
+            "servers": [
+                {"peer_id": r.peer_id, "start": r.start, "end": r.end, "state": r.state.value}
+                for r in sorted(snapshot.records, key=lambda r: (r.start, r.end, r.peer_id))
+            ],
+            "missing_blocks": [[a, b] for a, b in missing],
+            "message": str(NoRouteError(facts.name, missing, {})) if missing else None,
+            "generations_in_flight": self.generations_in_flight,
+            "generation_slots": SESSION_SLOTS,
+        }
+
+
+async def run_generation(
+    client: AsyncClient,
+    sampling: Sampling,
+    *,
+    input_ids: Sequence[int] | None = None,
+    prompt: str | None = None,
+    chat: bool = False,
+    session: str | None = None,
+) -> AsyncIterator[Piece | Done]:
+    """One generation on `client`'s connection, as Pieces then one Done. Closing this iterator
+    early cancels the generation on the daemon."""
+    unreported = 0
+    try:
+        async with aclosing(
+            client.stream_tokens(
+                prompt,
+                input_ids=list(input_ids) if input_ids is not None else None,
+                chat=chat,
+                session=session,
+                **sampling.options(),
+            )
+        ) as tokens:
+            async for message in tokens:
+                if isinstance(message, wire.GenerateDone):
+                    yield Done(message.reason, unreported, message.token_count)
+                    return
+                unreported += 1
+                if message.text:
+                    yield Piece(message.text, unreported)
+                    unreported = 0
+    except PeerdError as e:
+        raise daemon_error(e) from e

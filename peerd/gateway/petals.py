@@ -1,0 +1,389 @@
+"""chat.petals.dev's APIs: POST /api/v1/generate (one generation per request) and the WebSocket
+/api/v2/generate (an inference session that lives as long as the socket, so each turn sends only
+its new tokens through the swarm: the servers' caches hold the rest).
+
+Answers keep chat.petals.dev's shapes: {"ok": true, "outputs": ...} or {"ok": false, "traceback":
+message}. Differences, all in docs/gateway.md: errors also carry an HTTP status (v1) and leave a v2
+socket open for the next request; outputs never include the stop sequence; v2 takes `chat`,
+`stream` and `seed`, and {"type": "cancel"} stops the generation in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import anyio
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
+
+import wire
+from peerd.client import AsyncClient, PeerdError
+from peerd.gateway.bodies import (
+    MAX_BODY_BYTES,
+    parse_json_object,
+    read_fields,
+    too_large,
+    until_disconnected,
+    validate,
+    validation_error,
+)
+from peerd.gateway.link import (
+    DaemonLink,
+    Done,
+    GatewayError,
+    ModelFacts,
+    Piece,
+    Sampling,
+    daemon_error,
+    run_generation,
+)
+
+log = logging.getLogger(__name__)
+
+IDLE_TIMEOUT_S = 300.0
+"""A v2 socket that sends nothing for this long is closed and its session freed (chat.petals.dev's
+STEP_TIMEOUT)."""
+
+MAX_QUEUED_REQUESTS = 8
+"""v2 requests a client may send ahead of the answers."""
+
+
+def error_body(error: GatewayError) -> dict[str, Any]:
+    return {"ok": False, "traceback": error.message, "code": error.code}
+
+
+def error_response(error: GatewayError) -> JSONResponse:
+    return JSONResponse(error_body(error), status_code=error.status)
+
+
+class _Sampling(BaseModel):
+    """The sampling fields of both versions, as transformers' generate() takes them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    do_sample: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    top_k: int | None = Field(default=None, ge=0, le=wire.MAX_TOKEN_ID)
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    max_length: int | None = Field(default=None, ge=1, le=wire.MAX_SESSION_TOKENS)
+    max_new_tokens: int | None = Field(default=None, ge=1, le=wire.MAX_NEW_TOKENS)
+    seed: int | None = Field(default=None, ge=0, le=(1 << 64) - 1)
+
+    def sampling(self, max_new_tokens: int, stop: tuple[str, ...] = ()) -> Sampling:
+        greedy = not self.do_sample or self.temperature == 0.0 or self.top_p == 0.0
+        return Sampling(
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            temperature=self.temperature or 1.0,
+            top_k=self.top_k or None,
+            top_p=self.top_p,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            seed=self.seed,
+            stop=stop,
+        )
+
+
+class V1Request(_Sampling):
+    model: str | None = Field(default=None, max_length=wire.MAX_MODEL_LEN)
+    inputs: str = Field(min_length=1, max_length=wire.MAX_PROMPT_CHARS)
+    session_id: str | None = None
+
+
+# --- v1 -------------------------------------------------------------------------------------
+
+
+async def v1_generate(request: Request) -> Response:
+    link: DaemonLink = request.app.state.link
+    fields = {k: v for k, v in (await read_fields(request)).items() if v != "" or k == "inputs"}
+    body = validate(V1Request, fields)
+    if body.session_id is not None:
+        raise GatewayError(
+            400,
+            "unsupported",
+            "inference sessions over HTTP were removed from chat.petals.dev's API: use the "
+            "WebSocket API /api/v2/generate",
+            "session_id",
+        )
+    facts = await link.model()
+    facts.check_model(body.model)
+    ids = await facts.encode(body.inputs)
+    if body.max_new_tokens is not None:
+        budget = body.max_new_tokens
+    elif body.max_length is not None:
+        budget = body.max_length - len(ids)
+        if budget < 1:
+            raise GatewayError(
+                400,
+                "context_length_exceeded",
+                f"max_length ({body.max_length}) leaves no room after the {len(ids)} tokens of "
+                "inputs",
+                "max_length",
+            )
+    else:
+        raise GatewayError(400, "invalid_request", "give max_new_tokens or max_length")
+    facts.check_room(len(ids), budget)
+
+    async def run() -> str:
+        text = []
+        async for item in link.generate(body.sampling(budget), input_ids=ids):
+            if isinstance(item, Piece):
+                text.append(item.text)
+        return "".join(text)
+
+    return JSONResponse({"ok": True, "outputs": await until_disconnected(request, run)})
+
+
+# --- v2 -------------------------------------------------------------------------------------
+
+
+class V2Open(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["open_inference_session"]
+    model: str | None = Field(default=None, max_length=wire.MAX_MODEL_LEN)
+    max_length: int = Field(ge=1, le=wire.MAX_SESSION_TOKENS)
+
+
+class V2Generate(_Sampling):
+    type: Literal["generate"]
+    inputs: str | None = Field(default=None, max_length=wire.MAX_PROMPT_CHARS)
+    stop_sequence: str | None = Field(default=None, min_length=1, max_length=wire.MAX_STOP_LEN)
+    extra_stop_sequences: list[str] | None = Field(
+        default=None, max_length=wire.MAX_STOP_SEQUENCES - 1
+    )
+    chat: bool = False
+    """Extension: `inputs` is the user's message; the daemon wraps it in the chat template."""
+    stream: bool = False
+    """Extension: send each piece as it comes even without a stop_sequence."""
+
+    def stops(self) -> tuple[str, ...]:
+        stops = [self.stop_sequence] if self.stop_sequence else []
+        for extra in self.extra_stop_sequences or ():
+            if not 1 <= len(extra) <= wire.MAX_STOP_LEN:
+                raise GatewayError(
+                    400,
+                    "invalid_request",
+                    f"each stop sequence must be 1 to {wire.MAX_STOP_LEN} characters",
+                    "extra_stop_sequences",
+                )
+            if extra not in stops:
+                stops.append(extra)
+        return tuple(stops)
+
+
+def _same_origin(websocket: WebSocket) -> bool:
+    """Browsers let any web page open a WebSocket to localhost; only this gateway's own page (or a
+    program, which sends no Origin) may use its sessions."""
+    origin = websocket.headers.get("origin")
+    if origin is None:
+        return True
+    return urlsplit(origin).netloc == websocket.headers.get("host")
+
+
+async def v2_generate(websocket: WebSocket) -> None:
+    if not _same_origin(websocket):
+        await websocket.close(code=1008, reason="cross-origin use of this gateway is not allowed")
+        return
+    await websocket.accept()
+    session = _V2Session(websocket, websocket.app.state.link)
+    async with anyio.create_task_group() as group:
+        group.start_soon(session.read, group.cancel_scope)
+        try:
+            await session.serve()
+        finally:
+            group.cancel_scope.cancel()
+    if websocket.application_state == WebSocketState.CONNECTED:
+        await websocket.close()
+
+
+class _V2Session:
+    """One v2 socket: its inference session on the daemon and what the servers' caches hold."""
+
+    def __init__(self, websocket: WebSocket, link: DaemonLink) -> None:
+        self.websocket = websocket
+        self.link = link
+        self.inbox_in, self.inbox = anyio.create_memory_object_stream[
+            dict[str, Any] | GatewayError
+        ](MAX_QUEUED_REQUESTS)
+        self.cancel_wanted = False
+        self.max_length = 0
+        self.position = 0
+        """Tokens the session holds, counting the last sampled one, which the daemon feeds with
+        the next turn."""
+        self.messages: list[dict[str, str]] = []
+
+    async def read(self, scope: anyio.CancelScope) -> None:
+        """Take the client's messages in while a generation streams (a Cancel must get through);
+        when the client goes away, cancel everything this socket runs."""
+        try:
+            async with self.inbox_in:
+                while True:
+                    message = await self.websocket.receive()
+                    if message["type"] == "websocket.disconnect":
+                        return
+                    data = message.get("text")
+                    if data is None:
+                        data = message.get("bytes") or b""
+                    if len(data) > MAX_BODY_BYTES:
+                        await self.inbox_in.send(too_large("the message"))
+                        continue
+                    try:
+                        request: dict[str, Any] | GatewayError = parse_json_object(
+                            data, "the message"
+                        )
+                    except GatewayError as e:
+                        request = e
+                    if isinstance(request, dict) and request.get("type") == "cancel":
+                        self.cancel_wanted = True
+                        continue
+                    await self.inbox_in.send(request)
+        except WebSocketDisconnect:
+            pass
+        finally:
+            scope.cancel()
+
+    async def send(self, data: dict[str, Any]) -> None:
+        await self.websocket.send_json(data)
+
+    async def next_request(self) -> dict[str, Any] | GatewayError | None:
+        with anyio.move_on_after(IDLE_TIMEOUT_S):
+            try:
+                return await self.inbox.receive()
+            except anyio.EndOfStream:
+                return None
+        return None
+
+    async def serve(self) -> None:
+        request = await self.next_request()
+        if request is None:
+            return
+        try:
+            if isinstance(request, GatewayError):
+                raise request
+            opening = _validate(V2Open, request)
+            facts = await self.link.model()
+            facts.check_model(opening.model)
+            if opening.max_length > facts.context_length:
+                raise GatewayError(
+                    400,
+                    "context_length_exceeded",
+                    f"max_length {opening.max_length} is past {facts.name}'s context of "
+                    f"{facts.context_length} tokens",
+                    "max_length",
+                )
+        except GatewayError as e:
+            await self.send(error_body(e))
+            return
+        try:
+            async with self.link.session_slot(), self.link.connect() as client:
+                try:
+                    session_id = await client.open_session(opening.max_length)
+                except PeerdError as e:
+                    raise daemon_error(e) from e
+                self.max_length = opening.max_length
+                await self.send({"ok": True})
+                await self._turns(client, session_id, facts)
+        except GatewayError as e:  # the session could not open
+            await self.send(error_body(e))
+
+    async def _turns(self, client: AsyncClient, session_id: str, facts: ModelFacts) -> None:
+        while (request := await self.next_request()) is not None:
+            try:
+                if isinstance(request, GatewayError):
+                    raise request
+                await self._generate(client, session_id, facts, _validate(V2Generate, request))
+            except GatewayError as e:
+                await self.send(error_body(e))
+
+    async def _generate(
+        self, client: AsyncClient, session_id: str, facts: ModelFacts, request: V2Generate
+    ) -> None:
+        facts.check_model(None)
+        self.cancel_wanted = False  # a cancel sent between generations stops nothing
+        if request.chat:
+            if not request.inputs:
+                raise GatewayError(400, "invalid_request", "chat: true needs inputs", "inputs")
+            turn = {"role": "user", "content": request.inputs}
+            held_after_prompt = len(await facts.encode_chat([*self.messages, turn]))
+            ids: list[int] = []
+        else:
+            first = self.position == 0
+            ids = await facts.encode(request.inputs, add_special_tokens=first) if request.inputs else []
+            if first and not ids:
+                raise GatewayError(
+                    400, "invalid_request", "the session's first generate needs inputs", "inputs"
+                )
+            held_after_prompt = self.position + len(ids)
+        room = self.max_length - held_after_prompt
+        until_stop = request.stop_sequence is not None
+        if until_stop:
+            budget = room  # chat.petals.dev generates until the stop sequence
+        elif request.max_new_tokens is not None:
+            budget = request.max_new_tokens
+        elif request.max_length is not None:
+            budget = request.max_length - held_after_prompt
+        else:
+            raise GatewayError(
+                400, "invalid_request", "give max_new_tokens, max_length or stop_sequence"
+            )
+        if budget < 1 or budget > room:
+            raise GatewayError(
+                400,
+                "context_length_exceeded",
+                f"the session has room for {max(room, 0)} more tokens after these inputs"
+                f"{'' if until_stop else f' and this turn asks for {budget}'}: open a session "
+                "with a larger max_length",
+                "max_new_tokens",
+            )
+        stream = until_stop or request.stream
+        text: list[str] = []
+        unsent = 0
+        cancel_sent = False
+        generation = run_generation(
+            client,
+            request.sampling(budget, request.stops()),
+            input_ids=ids or None,
+            prompt=request.inputs if request.chat else (None if ids else ""),
+            chat=request.chat,
+            session=session_id,
+        )
+        done: Done | None = None
+        async for item in generation:
+            if self.cancel_wanted and not cancel_sent:
+                await client.request_cancel()
+                cancel_sent = True
+            if isinstance(item, Done):
+                done = item
+                break
+            text.append(item.text)
+            unsent += item.tokens
+            if stream:
+                await self.send({"ok": True, "outputs": item.text, "stop": False, "token_count": unsent})
+                unsent = 0
+        assert done is not None
+        if request.chat:
+            self.messages += [turn, {"role": "assistant", "content": "".join(text)}]
+        self.position = held_after_prompt + done.total
+        await self.send(
+            {
+                "ok": True,
+                "outputs": "" if stream else "".join(text),
+                "stop": True,
+                "token_count": unsent + done.tokens,
+                "reason": done.reason,
+            }
+        )
+
+
+def _validate(model: type[Any], request: dict[str, Any]) -> Any:
+    try:
+        return validate(model, request)
+    except GatewayError:
+        raise
+    except Exception as e:  # pragma: no cover - validate raises only GatewayError
+        raise validation_error(e) from e  # type: ignore[arg-type]

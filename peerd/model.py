@@ -1,0 +1,525 @@
+"""The transformers-compatible model: a `PreTrainedModel` whose decoder blocks run on the swarm.
+
+    from peerd.model import AutoDistributedModelForCausalLM
+    model = AutoDistributedModelForCausalLM.from_pretrained("default")  # the local daemon's model
+    ids = model.tokenizer("Once upon a time", return_tensors="pt")["input_ids"]
+    print(model.tokenizer.decode(model.generate(ids, max_new_tokens=32)[0]))
+
+Only the embeddings, the final norm and the LM head live in this process (blocks.ClientSide);
+hidden states go through every block via the local daemon's socket (peerd.client.Client), and the
+servers keep the KV caches. transformers' own GenerationMixin drives generation: the cache it
+threads through `forward` is a `RemoteSession`, which holds no keys or values, only how many
+tokens the servers hold, so `generate` feeds each token once. Greedy decoding and sampling work;
+beam search and assisted decoding would need the servers to reorder or crop their caches, which
+the local API does not offer, so they raise `UnsupportedGeneration`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import Cache
+from transformers.generation.configuration_utils import GenerationMode
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+import blocks
+from peerd.client import DEFAULT_TIMEOUT_S, Client, PeerdError
+
+# The decoding loops whose cache only ever grows by appending tokens: the only kind a remote
+# session can follow.
+SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
+
+
+# Errors after which the connection's byte stream can no longer be trusted.
+OUT_OF_STEP = ("connection_closed", "bad_reply")
+
+
+class ModelMismatch(ValueError):
+    """The daemon runs another model than the checkpoint this process loaded."""
+
+
+class UnsupportedGeneration(NotImplementedError):
+    """A generation mode that needs more of the servers' caches than appending tokens."""
+
+
+class DaemonConnection:
+    """The model's connection to the local daemon. A request cut off half-way (Ctrl-C, a timeout,
+    a broken reply) leaves the connection out of step, its reply still unread: it is then dropped,
+    which frees its sessions on the daemon, and opened afresh on next use."""
+
+    def __init__(self, path: str | Path | None, timeout: float) -> None:
+        self._client: Client | None = Client(path, timeout=timeout)
+        self.path = self._client.path
+        self.timeout = timeout
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = Client(self.path, timeout=self.timeout)
+        return self._client
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator[Client]:
+        """The client, for one request and its reply."""
+        try:
+            yield self.client
+        except PeerdError as e:
+            if e.code in OUT_OF_STEP:
+                self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+class RemoteSession(Cache):
+    """An inference session through the swarm (via the local daemon), which transformers sees as
+    the model's KV cache. It holds no keys or values, only what the servers hold: `position`
+    tokens, and `output_ids`, the token ids of the sequence so far when known (it may end with one
+    token sampled but not yet fed, as `generate` leaves it). Use as a context manager."""
+
+    def __init__(self, daemon: DaemonConnection, *, max_length: int, batch_size: int = 1) -> None:
+        super().__init__(layers=[])
+        self.daemon = daemon
+        self.max_length = max_length
+        self._batch_size = batch_size
+        self.session_id: str | None = None
+        self.position = 0
+        self.output_ids: torch.Tensor | None = None
+
+    def __enter__(self) -> RemoteSession:
+        with self.daemon.request() as client:
+            self.session_id = client.open_session(self.max_length, self._batch_size)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        session_id, self.session_id = self.session_id, None
+        if session_id is not None:
+            # A dropped connection took its sessions with it: then there is nothing to close.
+            with contextlib.suppress(PeerdError, OSError), self.daemon.request() as client:
+                client.close_session(session_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"RemoteSession(session_id={self.session_id!r}, position={self.position}, "
+            f"max_length={self.max_length}, batch_size={self.batch_size})"
+        )
+
+    def step(self, hidden: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
+        """Hidden states after the embeddings -> after the last block, extending the servers'
+        caches. `input_ids` (None when the caller fed embeddings) keeps `output_ids` current."""
+        if self.session_id is None:
+            raise RuntimeError("this inference session is closed; open a new one")
+        start, tokens = self.position, hidden.shape[1]
+        if hidden.shape[0] != self.batch_size:
+            raise ValueError(
+                f"this inference session was opened for batch size {self.batch_size}, "
+                f"got {hidden.shape[0]} sequences"
+            )
+        if start + tokens > self.max_length:
+            raise ValueError(
+                f"the session holds {start} of its max_length {self.max_length} tokens and "
+                f"cannot take {tokens} more: open a longer inference_session"
+            )
+        try:
+            with self.daemon.request() as client:
+                output = client.step(self.session_id, hidden)
+        except BaseException as e:
+            if not isinstance(e, PeerdError) or e.code in OUT_OF_STEP:
+                self.session_id = None  # cut off mid-step: what the servers hold is unknown
+            raise
+        self.position += tokens
+        known = self.output_ids
+        if input_ids is None:
+            self.output_ids = None
+        elif start == 0:
+            self.output_ids = input_ids
+        elif known is not None and known.shape[1] >= start:
+            self.output_ids = torch.cat([known[:, :start], input_ids.to(known.device)], dim=1)
+        else:
+            self.output_ids = None
+        return output
+
+    # --- what transformers asks of a cache ---------------------------------------------------
+
+    def __bool__(self) -> bool:
+        return True  # Cache's len() counts local layers: none here, yet the session is there
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.position
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_length
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False]  # attention caches: generate slices inputs past what they hold
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False]
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def update(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        raise TypeError("a RemoteSession holds no keys or values: they stay on the servers")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise UnsupportedGeneration(_NO_REWIND)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise UnsupportedGeneration(_NO_BEAMS)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise UnsupportedGeneration(_NO_BEAMS)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise UnsupportedGeneration(_NO_BEAMS)
+
+
+_NO_REWIND = (
+    "it needs the servers to roll their KV caches back, which the local API does not offer: "
+    "use greedy decoding (do_sample=False) or sampling (do_sample=True)"
+)
+_NO_BEAMS = (
+    "beam search needs the servers to reorder their KV caches between steps, which the local "
+    "API does not offer: use greedy decoding (do_sample=False) or sampling (do_sample=True)"
+)
+
+
+class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
+    """A causal LM whose decoder blocks are served by the swarm. Build it with `from_pretrained`.
+
+    `model(input_ids)` runs the sequence through the swarm in a session of its own (opened, stepped
+    once, closed); pass `cache=session` (from `inference_session`) to continue that session.
+    With `output_hidden_states=True`, `hidden_states` has two entries, not one per layer: the
+    embeddings' output (`hidden_states[0]`, as in transformers) and the last hidden state after
+    the final norm (`hidden_states[-1]`, as in transformers); the blocks' intermediate outputs
+    stay on the servers. Attention weights are not available.
+    """
+
+    main_input_name = "input_ids"
+    # Attention runs on the servers: whatever implementation the config names is fine here.
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        client_side: blocks.ClientSide,
+        daemon: DaemonConnection,
+        generation_config: GenerationConfig | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.client_side = client_side
+        self.daemon = daemon
+        self.active_session: RemoteSession | None = None
+        if generation_config is not None:
+            self.generation_config = generation_config
+        self.post_init()
+
+    @classmethod
+    def from_pretrained(  # type: ignore[override]
+        cls,
+        model: str | Path = "default",
+        socket: str | Path | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> DistributedModelForCausalLM:
+        """The model served by the daemon on `socket` (default: $PEERD_SOCKET, else the per-user
+        socket), with embeddings, final norm and LM head loaded from the local checkpoint
+        `model` ("default" or a directory): never its blocks.
+
+        Raises peerd.client.DaemonNotRunning when no daemon answers, and ModelMismatch when the
+        daemon runs another model than `model`.
+        """
+        checkpoint = blocks.resolve_checkpoint(model)
+        config = blocks.load_config(checkpoint)
+        daemon = DaemonConnection(socket, timeout=timeout)
+        try:
+            _check_same_model(daemon.client, checkpoint, config)
+            client_side = blocks.load_client_side(checkpoint, dtype=dtype, device=device)
+        except BaseException:
+            daemon.close()
+            raise
+        generation_config = None
+        if (checkpoint / "generation_config.json").is_file():
+            generation_config = GenerationConfig.from_pretrained(checkpoint, local_files_only=True)
+        return cls(client_side.config, client_side, daemon, generation_config)
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        """Nothing to initialise: every local weight comes from the checkpoint."""
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # the only cache is a RemoteSession: never let generate make a local one
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.client_side.embeddings
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.client_side.lm_head
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (with its chat template)."""
+        return self.client_side.tokenizer
+
+    def close(self) -> None:
+        """Hang up on the daemon (which frees any session still open)."""
+        self.daemon.close()
+
+    # --- sessions ---------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[RemoteSession]:
+        """A session on the swarm that every `generate` call inside the `with` block continues:
+        the servers keep their caches between calls, so each call feeds only what is new. Pass
+        each call only the tokens to add (or none); it returns the whole sequence so far."""
+        if self.active_session is not None:
+            raise RuntimeError("an inference session is already active on this model")
+        with RemoteSession(self.daemon, max_length=max_length, batch_size=batch_size) as session:
+            self.active_session = session
+            try:
+                yield session
+            finally:
+                self.active_session = None
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs: Any,
+    ) -> CausalLMOutputWithPast | tuple[Any, ...]:
+        """Logits (and, on request, hidden states and loss) of the tokens given. Without a cache
+        the tokens go through the swarm in a session of their own; with `cache=` a RemoteSession
+        they extend it."""
+        if output_attentions:
+            raise ValueError("attention weights stay on the servers: no output_attentions")
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("give exactly one of input_ids and inputs_embeds")
+        if attention_mask is not None and not bool((attention_mask == 1).all()):
+            raise ValueError(
+                "padding is not supported: the servers attend to every token they hold; "
+                "generate prompts of one length together, or one prompt at a time"
+            )
+        if cache is not None and not isinstance(cache, RemoteSession):
+            raise TypeError(
+                f"the KV cache lives on the servers: pass a RemoteSession from "
+                f"model.inference_session(), not a {type(cache).__name__}"
+            )
+        if inputs_embeds is not None:
+            embed_norm = self.client_side.embed_norm
+            hidden_in = embed_norm(inputs_embeds) if embed_norm is not None else inputs_embeds
+        else:
+            assert input_ids is not None
+            hidden_in = self.client_side.embed(input_ids)
+        past = cache.position if cache is not None else 0
+        if position_ids is not None and int(position_ids[..., 0].min()) != past:
+            raise ValueError(
+                f"these tokens start at position {int(position_ids[..., 0].min())}, but the "
+                f"servers hold {past}: give only the tokens the session has not seen"
+            )
+        weight = self.client_side.lm_head.weight
+        to_send = hidden_in.to("cpu", torch.float32)
+        if cache is not None:
+            hidden_out = cache.step(to_send, input_ids)
+        else:
+            with RemoteSession(
+                self.daemon, max_length=to_send.shape[1], batch_size=to_send.shape[0]
+            ) as own:
+                hidden_out = own.step(to_send, input_ids)
+        last_hidden = self.client_side.final_norm(hidden_out.to(weight.device, weight.dtype))
+        kept = last_hidden[:, -logits_to_keep:] if logits_to_keep else last_hidden
+        logits = self.client_side.lm_head(kept)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])
+        if output_hidden_states is None:
+            output_hidden_states = bool(self.config.output_hidden_states)
+        output = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            cache=cache,
+            hidden_states=(hidden_in, last_hidden) if output_hidden_states else None,
+        )
+        return output.to_tuple() if return_dict is False else output
+
+    # --- generation -------------------------------------------------------------------------
+
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config: GenerationConfig | None = None,
+        *,
+        session: RemoteSession | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """transformers' `generate` (greedy or sampling) through the swarm.
+
+        Inside `with model.inference_session(...)` (or with `session=`), the call continues that
+        session: `inputs` are only the tokens to add after what it holds (None to just go on),
+        and the result is the whole sequence so far. Otherwise the call opens a session sized
+        prompt + max_new_tokens and closes it at the end.
+        """
+        if inputs is None:
+            inputs = kwargs.pop("input_ids", None)
+        # The settings generate itself will use (its own resolution of defaults and kwargs).
+        config, _ = self._prepare_generation_config(generation_config, **kwargs)  # type: ignore[misc]
+        mode = config.get_generation_mode(kwargs.get("assistant_model"))
+        if mode not in SUPPORTED_MODES:
+            reason = _NO_BEAMS if "beam" in mode.value else _NO_REWIND
+            raise UnsupportedGeneration(f"{mode.value} does not work through the swarm: {reason}")
+        if config.use_cache is False:
+            raise ValueError(
+                "use_cache=False would send the whole sequence through the swarm at every token; "
+                "the servers keep the cache, so leave use_cache on"
+            )
+        if session is None:
+            session = self.active_session
+        if session is not None:
+            return self._generate_in(session, inputs, generation_config, config, kwargs)
+        prompt = _prompt_length(inputs, kwargs)
+        rows = _batch_size(inputs, kwargs) * (config.num_return_sequences or 1)
+        length = prompt + self._new_tokens(config, generation_config, kwargs, prompt)
+        with RemoteSession(self.daemon, max_length=max(length, 1), batch_size=rows) as own:
+            return self._generate_in(own, inputs, generation_config, config, kwargs)
+
+    def _generate_in(
+        self,
+        session: RemoteSession,
+        inputs: torch.Tensor | None,
+        generation_config: GenerationConfig | None,
+        config: GenerationConfig,
+        kwargs: dict[str, Any],
+    ) -> Any:
+        if session.position > 0:
+            held = session.output_ids
+            if held is None:
+                raise ValueError(
+                    "this session was fed embeddings, so its token ids are unknown and generate "
+                    "cannot continue it; continue it with model(..., cache=session)"
+                )
+            if "inputs_embeds" in kwargs:
+                raise ValueError("a session that holds tokens continues from input_ids only")
+            if (config.num_return_sequences or 1) > 1:
+                raise ValueError("num_return_sequences > 1 works only in a fresh session")
+            # The previous tokens go in too, for logits processors (repetition penalty...);
+            # generate sends only those past session.position through the swarm.
+            inputs = held if inputs is None else torch.cat([held, inputs.to(held.device)], 1)
+            if inputs.shape[1] <= session.position:
+                raise ValueError(
+                    "the servers already hold every token of this sequence: pass the tokens to add"
+                )
+        prompt = _prompt_length(inputs, kwargs)
+        rows = _batch_size(inputs, kwargs) * (config.num_return_sequences or 1)
+        if rows != session.batch_size:
+            raise ValueError(
+                f"the session was opened for batch size {session.batch_size}, this call has {rows}"
+            )
+        needed = prompt + self._new_tokens(config, generation_config, kwargs, prompt) - 1
+        if needed > session.max_length:
+            raise ValueError(
+                f"this call would put {needed} tokens in a session of max_length "
+                f"{session.max_length}: open a longer inference_session"
+            )
+        result = super().generate(inputs, generation_config, cache=session, **kwargs)
+        sequences = result if isinstance(result, torch.Tensor) else result.sequences
+        # What generate saw (prompt + sampled), which the servers hold but for the last token.
+        session.output_ids = sequences if sequences.shape[1] >= session.position else None
+        return result
+
+    def _new_tokens(
+        self,
+        config: GenerationConfig,
+        generation_config: GenerationConfig | None,
+        kwargs: dict[str, Any],
+        prompt: int,
+    ) -> int:
+        """How many tokens generate may add, resolved the way transformers does."""
+        if config.max_new_tokens is not None:
+            return int(config.max_new_tokens)
+        max_length_set = any(
+            c is not None and c.max_length is not None
+            for c in (generation_config, self.generation_config)
+        )
+        if kwargs.get("max_length") is not None or max_length_set:
+            return max(int(config.max_length) - prompt, 0)
+        return int(config.max_length)  # transformers' default: that many new tokens
+
+
+def _prompt_length(inputs: torch.Tensor | None, kwargs: dict[str, Any]) -> int:
+    if inputs is not None:
+        return int(inputs.shape[1])
+    if kwargs.get("inputs_embeds") is not None:
+        return int(kwargs["inputs_embeds"].shape[1])
+    return 1  # generate starts from the BOS token
+
+
+def _batch_size(inputs: torch.Tensor | None, kwargs: dict[str, Any]) -> int:
+    if inputs is not None:
+        return int(inputs.shape[0])
+    if kwargs.get("inputs_embeds") is not None:
+        return int(kwargs["inputs_embeds"].shape[0])
+    return 1
+
+
+def _check_same_model(client: Client, checkpoint: Path, config: PretrainedConfig) -> None:
+    welcome = client.welcome
+    ours = blocks.model_name(checkpoint)
+    problems = []
+    if welcome.model != ours:
+        problems.append(f"it runs {welcome.model}, not {ours}")
+    if welcome.num_blocks != config.num_hidden_layers:
+        problems.append(f"{welcome.num_blocks} blocks, not {config.num_hidden_layers}")
+    if welcome.hidden_size != config.hidden_size:
+        problems.append(f"hidden size {welcome.hidden_size}, not {config.hidden_size}")
+    if problems:
+        raise ModelMismatch(
+            f"the daemon on {client.path} serves another model than {checkpoint} "
+            f"({'; '.join(problems)}): load its model instead, or start a daemon for this one "
+            f"with `peerd start --model {checkpoint}` (and --socket to run it beside the first)"
+        )
+
+
+# The name Petals and transformers users reach for: one class serves every model family, since
+# the family-specific parts (embeddings, norms, head) come from blocks.load_client_side.
+AutoDistributedModelForCausalLM = DistributedModelForCausalLM
