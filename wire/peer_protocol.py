@@ -149,6 +149,9 @@ class StepResult(Message):
     session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
     step_id: int = spec(ge=0)
     hidden_states: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+    push_failed: bool = False
+    """The Step named next_hops but this server could not push its output to the next one:
+    the client must send it there itself (client-relayed fallback)."""
 
 
 @message("close_session")
