@@ -25,6 +25,7 @@ from peerd.identity import load_or_create_identity
 from peerd.p2p import (
     INFERENCE_PROTOCOL,
     INFO_PROTOCOL,
+    PUSH_PROTOCOL,
     Node,
     open_node,
     parse_peer_maddr,
@@ -186,6 +187,7 @@ class Daemon:
             addrs=self.node.maddrs,
             limits=config.limits,
             record_ttl=2 * config.refresh_period,
+            node=self.node,
         )
         self.server = server
         self.swarm.local_server = server
@@ -194,6 +196,7 @@ class Daemon:
         nursery.start_soon(self._announce_forever)
         await self._load_and_go_online(start, end)
         self.node.host.set_stream_handler(INFERENCE_PROTOCOL, server.handle_inference)
+        self.node.host.set_stream_handler(PUSH_PROTOCOL, server.handle_push)
         if kind != "span":
             nursery.start_soon(self._rebalance_forever)
 

@@ -61,21 +61,44 @@ class HopSession:
         self, hidden: torch.Tensor, codec: CompressionName, start_position: int | None = None
     ) -> torch.Tensor:
         step_id = next(self.step_ids)
+        await self.send_step(hidden, codec, step_id, start_position)
+        return (await self.receive_result(step_id)).hidden_states
+
+    async def send_step(
+        self,
+        hidden: torch.Tensor,
+        codec: CompressionName,
+        step_id: int,
+        start_position: int | None = None,
+        next_hops: tuple[wire.NextHop, ...] = (),
+    ) -> None:
         await self.stream.send(
             wire.Step(
                 session_id=self.session_id,
                 step_id=step_id,
                 hidden_states=hidden,
                 start_position=start_position,
+                next_hops=next_hops,
             ),
             codec,
         )
+
+    async def receive_result(self, step_id: int) -> wire.StepResult:
         reply = await self.stream.receive(STEP_TIMEOUT_S)
         if isinstance(reply, wire.Error):
             raise PeerGone(f"{self.peer_id} refused the step: {reply.message}")
         if not isinstance(reply, wire.StepResult) or reply.step_id != step_id:
             raise PeerGone(f"{self.peer_id} answered step {step_id} with {reply!r:.80}")
-        return reply.hidden_states
+        return reply
+
+    def as_next_hop(self) -> wire.NextHop:
+        return wire.NextHop(
+            peer_id=self.peer_id,
+            addrs=tuple(self.hop.record.addrs),
+            session_id=self.session_id,
+            start=self.hop.start,
+            end=self.hop.end,
+        )
 
     async def close(self) -> None:
         try:
@@ -123,8 +146,11 @@ class InferenceSession:
         max_length: int,
         batch_size: int = 1,
         codec: CompressionName = "raw",
+        push: bool = True,
     ) -> None:
         self.swarm = swarm
+        self.push = push
+        self._push_ids = itertools.count(1 << 40)  # apart from each hop's own step ids
         self.max_length = max_length
         self.batch_size = batch_size
         self.codec = codec
@@ -170,6 +196,11 @@ class InferenceSession:
         # After a rollback every hop is told where the new tokens start (once per hop).
         rewind = self._rewind_to
         i = 0
+        remote = all(isinstance(hop, HopSession) for hop in self.hops)
+        if self.push and rewind is None and remote and len(self.hops) > 1:
+            i, hidden = await self._push_step(hidden)
+        # Client-relayed: each remaining hop in turn (all of them without push, or from where a
+        # push chain broke).
         while i < len(self.hops):
             hop = self.hops[i]
             try:
@@ -184,6 +215,29 @@ class InferenceSession:
         self._rewind_to = None
         self.position += hidden.shape[1]
         return hidden
+
+    async def _push_step(self, hidden: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Send the step to the first hop naming the rest: each server pushes its output to
+        the next and also answers us, so a step costs one pass through the chain and we still
+        hold every hop's input for failover. Returns (first hop not done, its input)."""
+        hops = [hop for hop in self.hops if isinstance(hop, HopSession)]
+        step_id = next(self._push_ids)
+        chain = tuple(hop.as_next_hop() for hop in hops[1:])
+        try:
+            await hops[0].send_step(hidden, self.codec, step_id, next_hops=chain)
+        except PeerGone:
+            return 0, hidden  # the relay loop retries hop 0 and replaces it if it is gone
+        for i, hop in enumerate(hops):
+            try:
+                result = await hop.receive_result(step_id)
+            except (PeerGone, wire.ProtocolError):
+                return i, hidden
+            self._remember(hop.hop.start, hidden)
+            self.swarm.report_success(hop.peer_id)
+            hidden = result.hidden_states
+            if result.push_failed and i + 1 < len(hops):
+                return i + 1, hidden
+        return len(hops), hidden
 
     def rollback(self, position: int) -> None:
         """Forget every token from `position` on: the next step continues from there (the

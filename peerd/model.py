@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import GenerationMode
@@ -33,7 +34,14 @@ from peerd.client import DEFAULT_TIMEOUT_S, Client, PeerdError
 # The decoding loops whose cache only ever grows by appending tokens: the only kind a remote
 # session can follow.
 SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
-
+_NO_REWIND = (
+    "it needs the servers to roll their KV caches back, which the local API does not offer: "
+    "use greedy decoding (do_sample=False) or sampling (do_sample=True)"
+)
+_NO_BEAMS = (
+    "beam search needs the servers to reorder their KV caches between steps, which the local "
+    "API does not offer: use greedy decoding (do_sample=False) or sampling (do_sample=True)"
+)
 
 # Errors after which the connection's byte stream can no longer be trusted.
 OUT_OF_STEP = ("connection_closed", "bad_reply")
@@ -200,16 +208,6 @@ class RemoteSession(Cache):
         raise UnsupportedGeneration(_NO_BEAMS)
 
 
-_NO_REWIND = (
-    "it needs the servers to roll their KV caches back, which the local API does not offer: "
-    "use greedy decoding (do_sample=False) or sampling (do_sample=True)"
-)
-_NO_BEAMS = (
-    "beam search needs the servers to reorder their KV caches between steps, which the local "
-    "API does not offer: use greedy decoding (do_sample=False) or sampling (do_sample=True)"
-)
-
-
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     """A causal LM whose decoder blocks are served by the swarm. Build it with `from_pretrained`.
 
@@ -260,6 +258,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         Raises peerd.client.DaemonNotRunning when no daemon answers, and ModelMismatch when the
         daemon runs another model than `model`.
         """
+        if int(transformers.__version__.split(".")[0]) < 5:
+            raise ImportError(
+                f"peerd.model needs transformers 5 or later (its generate hands the KV cache "
+                f"to the model as `cache`), not {transformers.__version__}: upgrade transformers"
+            )
         checkpoint = blocks.resolve_checkpoint(model)
         config = blocks.load_config(checkpoint)
         daemon = DaemonConnection(socket, timeout=timeout)
@@ -341,6 +344,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 "padding is not supported: the servers attend to every token they hold; "
                 "generate prompts of one length together, or one prompt at a time"
             )
+        if cache is None:
+            cache = kwargs.pop("past_key_values", None)  # its name before transformers 5
         if cache is not None and not isinstance(cache, RemoteSession):
             raise TypeError(
                 f"the KV cache lives on the servers: pass a RemoteSession from "

@@ -13,15 +13,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import multiaddr
 import torch
 import trio
 from libp2p.abc import INetStream
+from libp2p.peer.id import ID
 
 import wire
 from blocks import CacheFull, MemoryCache, Span, SpanSession
 from peerd import __version__
 from peerd.compute import PRIORITY_INFERENCE, ComputeQueue
-from peerd.streams import MessageStream, PeerGone
+from peerd.p2p import PUSH_PROTOCOL, Node
+from peerd.streams import Idle, MessageStream, PeerGone
 from routing.records import ServerRecord, ServerState
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,8 @@ log = logging.getLogger(__name__)
 SESSION_IDLE_TIMEOUT_S = 300.0
 # Time a client gets to send its first message after opening a stream.
 OPEN_TIMEOUT_S = 10.0
+# A push that does not go through in this long is abandoned: the client relays instead.
+PUSH_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,19 @@ def info_to_record(info: wire.ServerInfo) -> ServerRecord:
     return ServerRecord.from_dict(info.to_dict())
 
 
+@dataclass
+class _LiveSession:
+    """A session open on this server, found by id when a previous server pushes a step."""
+
+    request: wire.OpenSession
+    session: SpanSession
+    messages: MessageStream  # the client's session stream: every result goes there
+    scope: trio.CancelScope
+    lock: trio.Lock = field(default_factory=trio.Lock)  # one step at a time, from either side
+    last_active: float = field(default_factory=trio.current_time)
+    failure: str | None = None
+
+
 class BlockServer:
     """Serves `span` (blocks span.start..span.end-1 of `model`) with KV caches from `cache`."""
 
@@ -81,6 +99,7 @@ class BlockServer:
         addrs: Callable[[], list[str]],
         limits: ServerLimits | None = None,
         record_ttl: float = math.inf,
+        node: Node | None = None,
     ) -> None:
         self.model = model
         self._start, self._end = start, end
@@ -98,6 +117,10 @@ class BlockServer:
         self._sessions_by_peer: dict[str, int] = {}
         self._open_sessions: set[trio.CancelScope] = set()
         self._subspans: dict[tuple[int, int], Span] = {}
+        self.node = node
+        self._live: dict[str, _LiveSession] = {}  # session id -> session, for pushed steps
+        self._push_streams: dict[str, MessageStream] = {}  # next hop's peer id -> stream
+        self._push_locks: dict[str, trio.Lock] = {}
 
     def go_online(self, span: Span, cache: MemoryCache, throughput: float) -> None:
         """Start taking sessions: the span is loaded and its speed known."""
@@ -172,17 +195,22 @@ class BlockServer:
                 return
             self._sessions_by_peer[peer] = self._sessions_by_peer.get(peer, 0) + 1
             self.counters.sessions_opened += 1
+            live = _LiveSession(request, session, messages, trio.CancelScope())
             try:
-                with session, trio.CancelScope() as scope:
-                    self._open_sessions.add(scope)
+                with session, live.scope:
+                    self._open_sessions.add(live.scope)
+                    self._live[request.session_id] = live
                     await messages.send(
                         wire.SessionOpened(
                             session_id=request.session_id, max_length=request.max_length
                         )
                     )
-                    await self._serve_steps(messages, request, session)
+                    await self._serve_steps(live)
+                if live.failure is not None:  # a pushed step broke the session
+                    await self._refuse(messages, "bad_request", live.failure)
             finally:
-                self._open_sessions.discard(scope)
+                self._live.pop(request.session_id, None)
+                self._open_sessions.discard(live.scope)
                 self._sessions_by_peer[peer] -= 1
                 if not self._sessions_by_peer[peer]:
                     del self._sessions_by_peer[peer]
@@ -221,24 +249,104 @@ class BlockServer:
                 "close one first"
             )
 
-    async def _serve_steps(
-        self, messages: MessageStream, request: wire.OpenSession, session: SpanSession
-    ) -> None:
+    async def _serve_steps(self, live: _LiveSession) -> None:
+        """Steps from the client's own stream. With server-to-server push the client sends
+        only to the first hop and this stream stays quiet while pushed steps arrive, so the
+        idle deadline counts from the last step of either kind."""
         while True:
-            message = await messages.receive(SESSION_IDLE_TIMEOUT_S)
+            try:
+                message = await live.messages.receive(SESSION_IDLE_TIMEOUT_S)
+            except Idle:
+                if trio.current_time() - live.last_active < SESSION_IDLE_TIMEOUT_S:
+                    continue
+                raise
             if isinstance(message, wire.CloseSession):
                 return
             if not isinstance(message, wire.Step):
                 raise wire.ProtocolError(
                     f"expected Step or CloseSession in a session, got {type(message).__name__}"
                 )
-            output = await self.run_step(request, session, message)
-            await messages.send(
-                wire.StepResult(
-                    session_id=request.session_id, step_id=message.step_id, hidden_states=output
-                ),
-                request.reply_compression,
-            )
+            await self._process(live, message)
+
+    async def _process(self, live: _LiveSession, message: wire.Step) -> None:
+        """Run one step; push the output on when the step names next hops (first, so the next
+        server starts at once); answer the client on its session stream."""
+        compression = live.request.reply_compression
+        async with live.lock:
+            live.last_active = trio.current_time()
+            output = await self.run_step(live.request, live.session, message)
+        pushed = True
+        if message.next_hops:
+            pushed = await self._push(message, output, compression)
+        await live.messages.send(
+            wire.StepResult(
+                session_id=live.request.session_id,
+                step_id=message.step_id,
+                hidden_states=output,
+                push_failed=not pushed,
+            ),
+            compression,
+        )
+
+    # --- server-to-server push ------------------------------------------------------------
+
+    async def handle_push(self, stream: INetStream) -> None:
+        """Steps pushed by the previous server of a client's route, for sessions the client
+        opened here. Nothing is answered on this stream: results go to the client."""
+        messages = MessageStream(stream, self.limits.max_frame_size)
+        try:
+            while True:
+                message = await messages.receive_as(wire.Step, SESSION_IDLE_TIMEOUT_S)
+                live = self._live.get(message.session_id)
+                if live is None:
+                    log.info("pushed step for unknown session %s", message.session_id[:12])
+                    continue
+                try:
+                    await self._process(live, message)
+                except wire.ProtocolError as e:
+                    live.failure = str(e)
+                    live.scope.cancel()
+                except PeerGone:  # the session's client went away; its handler cleans up
+                    live.scope.cancel()
+        except (PeerGone, wire.ProtocolError) as e:
+            log.debug("push stream from %s ended: %s", messages.remote_peer, e)
+        finally:
+            await messages.close()
+
+    async def _push(self, message: wire.Step, output: torch.Tensor, compression: str) -> bool:
+        """Send our output to the next hop as its step; False if that failed."""
+        target = message.next_hops[0]
+        pushed = wire.Step(
+            session_id=target.session_id,
+            step_id=message.step_id,
+            hidden_states=output,
+            next_hops=message.next_hops[1:],
+        )
+        lock = self._push_locks.setdefault(target.peer_id, trio.Lock())
+        try:
+            async with lock:
+                with trio.fail_after(PUSH_TIMEOUT_S):
+                    stream = await self._push_stream(target)
+                    await stream.send(pushed, compression)
+            return True
+        except Exception as e:  # any failure: the client relays this output itself
+            log.info("push to %s failed: %s", target.peer_id, e)
+            self._push_streams.pop(target.peer_id, None)
+            return False
+
+    async def _push_stream(self, target: wire.NextHop) -> MessageStream:
+        stream = self._push_streams.get(target.peer_id)
+        if stream is None:
+            if self.node is None:
+                raise PeerGone("this server has no host to push with")
+            peer = ID.from_base58(target.peer_id)
+            addrs = [multiaddr.Multiaddr(a) for a in target.addrs]
+            if addrs:
+                self.node.host.get_peerstore().add_addrs(peer, addrs, 3600)
+            raw = await self.node.host.new_stream(peer, [PUSH_PROTOCOL])
+            stream = MessageStream(raw, self.limits.max_frame_size)
+            self._push_streams[target.peer_id] = stream
+        return stream
 
     async def run_step(
         self, request: wire.OpenSession, session: SpanSession, message: wire.Step

@@ -21,6 +21,10 @@ class PeerGone(Exception):
     """The peer closed, reset or stopped answering the stream."""
 
 
+class Idle(PeerGone):
+    """Nothing arrived within the deadline (the stream itself may still be fine)."""
+
+
 class MessageStream:
     """One libp2p stream carrying wire frames in both directions."""
 
@@ -28,6 +32,7 @@ class MessageStream:
         self.stream = stream
         self.max_frame_size = max_frame_size
         self._decoder = MessageDecoder(max_frame_size=max_frame_size)
+        self._send_lock = trio.Lock()  # frames from two tasks must not interleave
         self.bytes_sent = 0
         self.bytes_received = 0
 
@@ -39,7 +44,8 @@ class MessageStream:
         """Send one message, its tensors encoded with `compression` (wire.COMPRESSIONS)."""
         data = encode_message(message, compression, max_frame_size=self.max_frame_size)
         try:
-            await self.stream.write(data)  # type: ignore[arg-type]  # any bytes-like works
+            async with self._send_lock:
+                await self.stream.write(data)  # type: ignore[arg-type]  # any bytes-like works
         except (StreamError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             raise PeerGone(f"cannot send to {self.remote_peer}: {e or type(e).__name__}") from e
         self.bytes_sent += len(data)
@@ -62,7 +68,7 @@ class MessageStream:
                     raise PeerGone(f"{self.remote_peer} closed the stream")
                 self.bytes_received += len(data)
                 self._decoder.receive_data(data)
-        raise PeerGone(f"{self.remote_peer} sent nothing for {timeout:.0f} s")
+        raise Idle(f"{self.remote_peer} sent nothing for {timeout:.0f} s")
 
     async def receive_as(self, kind: type[M], timeout: float) -> M:
         message = await self.receive(timeout)

@@ -110,7 +110,9 @@ def validation_error(error: ValidationError) -> GatewayError:
     first = error.errors()[0]
     where = ".".join(str(part) for part in first["loc"])
     message = first["msg"].removeprefix("Value error, ")
-    return GatewayError(400, "invalid_request", f"{where}: {message}" if where else message, where)
+    return GatewayError(
+        400, "invalid_request", f"{where}: {message}" if where else message, where or None
+    )
 
 
 async def until_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:

@@ -12,7 +12,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 
@@ -21,6 +21,7 @@ from peerd.client import AsyncClient, PeerdError
 from peerd.server import ServerLimits, info_to_record
 from routing.planner import NoRouteError
 from routing.records import SwarmSnapshot, contiguous_ranges
+from wire.peer_protocol import MAX_SESSION_TOKENS
 
 SESSION_SLOTS = ServerLimits().max_sessions_per_peer
 """Generations and v2 sessions in flight at once. Each holds an inference session on every server
@@ -226,10 +227,13 @@ class DaemonLink:
         self, sampling: Sampling, **request: Any
     ) -> AsyncGenerator[Piece | Done, None]:
         """run_generation on a connection of its own, holding a session slot throughout."""
-        async with self.session_slot(), self.connect() as client:
-            async with aclosing(run_generation(client, sampling, **request)) as events:
-                async for item in events:
-                    yield item
+        async with (
+            self.session_slot(),
+            self.connect() as client,
+            aclosing(run_generation(client, sampling, **request)) as events,
+        ):
+            async for item in events:
+                yield item
 
     async def model(self) -> ModelFacts:
         """What the daemon runs, learnt on first use (the tokenizer loads once)."""
@@ -262,7 +266,7 @@ class DaemonLink:
         return ModelFacts(
             name=welcome.model,
             num_blocks=welcome.num_blocks,
-            context_length=int(min(context, wire.MAX_SESSION_TOKENS)),
+            context_length=int(min(context, MAX_SESSION_TOKENS)),
             tokenizer=tokenizer,
         )
 
@@ -307,20 +311,19 @@ async def run_generation(
     prompt: str | None = None,
     chat: bool = False,
     session: str | None = None,
-) -> AsyncIterator[Piece | Done]:
+) -> AsyncGenerator[Piece | Done, None]:
     """One generation on `client`'s connection, as Pieces then one Done. Closing this iterator
     early cancels the generation on the daemon."""
     unreported = 0
     try:
-        async with aclosing(
-            client.stream_tokens(
-                prompt,
-                input_ids=list(input_ids) if input_ids is not None else None,
-                chat=chat,
-                session=session,
-                **sampling.options(),
-            )
-        ) as tokens:
+        tokens = client.stream_tokens(
+            prompt,
+            input_ids=list(input_ids) if input_ids is not None else None,
+            chat=chat,
+            session=session,
+            **sampling.options(),
+        )
+        async with aclosing(cast(AsyncGenerator[wire.Message, None], tokens)):
             async for message in tokens:
                 if isinstance(message, wire.GenerateDone):
                     yield Done(message.reason, unreported, message.token_count)

@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-import wire
 from peerd import __version__
 from peerd.gateway.bodies import EventStream, event, read_json, until_disconnected, validate
 from peerd.gateway.link import (
@@ -29,6 +28,8 @@ from peerd.gateway.link import (
     Piece,
     Sampling,
 )
+from wire.local_api import MAX_NEW_TOKENS, MAX_STOP_LEN, MAX_TOKEN_ID
+from wire.peer_protocol import MAX_MODEL_LEN
 
 MAX_STOP_SEQUENCES = 4
 """OpenAI's own limit on `stop`."""
@@ -70,11 +71,11 @@ class _Request(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = Field(default=None, max_length=wire.MAX_MODEL_LEN)
-    max_tokens: int | None = Field(default=None, ge=1, le=wire.MAX_NEW_TOKENS)
+    model: str | None = Field(default=None, max_length=MAX_MODEL_LEN)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_NEW_TOKENS)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0, le=wire.MAX_TOKEN_ID)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_TOKEN_ID)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
     n: int = 1
     stream: bool = False
@@ -99,8 +100,8 @@ class _Request(BaseModel):
         stops = self.stop_sequences()
         if len(stops) > MAX_STOP_SEQUENCES:
             raise ValueError(f"stop takes at most {MAX_STOP_SEQUENCES} sequences")
-        if any(not 1 <= len(s) <= wire.MAX_STOP_LEN for s in stops):
-            raise ValueError(f"each stop sequence must be 1 to {wire.MAX_STOP_LEN} characters")
+        if any(not 1 <= len(s) <= MAX_STOP_LEN for s in stops):
+            raise ValueError(f"each stop sequence must be 1 to {MAX_STOP_LEN} characters")
         return self
 
     def stop_sequences(self) -> tuple[str, ...]:
@@ -155,7 +156,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=wire.MAX_NEW_TOKENS)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_NEW_TOKENS)
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     response_format: dict[str, Any] | None = None
@@ -185,11 +186,11 @@ class CompletionRequest(_Request):
 
     @model_validator(mode="after")
     def _completion_supported(self) -> CompletionRequest:
-        if isinstance(self.prompt, list) and not self.prompt:
+        prompts = self.prompt if isinstance(self.prompt, list) else [self.prompt]
+        if not prompts:
             raise ValueError("prompt is empty")
-        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
-                raise ValueError("only one prompt per request is supported")
+        if isinstance(prompts[0], str) and len(prompts) > 1:
+            raise ValueError("only one prompt per request is supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of not in (None, 1):
@@ -391,7 +392,5 @@ async def _stream(
                 break
         except GatewayError as e:
             # Headers are gone: the error travels as an event, which OpenAI clients raise.
-            yield event(
-                {"error": {"message": e.message, "type": "server_error", "code": e.code}}
-            )
+            yield event({"error": {"message": e.message, "type": "server_error", "code": e.code}})
         yield event("[DONE]")

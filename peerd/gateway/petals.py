@@ -10,17 +10,19 @@ socket open for the next request; outputs never include the stop sequence; v2 ta
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from contextlib import aclosing
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import anyio
+import anyio.lowlevel
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-import wire
 from peerd.client import AsyncClient, PeerdError
 from peerd.gateway.bodies import (
     MAX_BODY_BYTES,
@@ -29,7 +31,6 @@ from peerd.gateway.bodies import (
     too_large,
     until_disconnected,
     validate,
-    validation_error,
 )
 from peerd.gateway.link import (
     DaemonLink,
@@ -41,6 +42,14 @@ from peerd.gateway.link import (
     daemon_error,
     run_generation,
 )
+from wire.local_api import (
+    MAX_NEW_TOKENS,
+    MAX_PROMPT_CHARS,
+    MAX_STOP_LEN,
+    MAX_STOP_SEQUENCES,
+    MAX_TOKEN_ID,
+)
+from wire.peer_protocol import MAX_MODEL_LEN, MAX_SESSION_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +76,11 @@ class _Sampling(BaseModel):
 
     do_sample: bool = False
     temperature: float | None = Field(default=None, ge=0.0, le=100.0)
-    top_k: int | None = Field(default=None, ge=0, le=wire.MAX_TOKEN_ID)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_TOKEN_ID)
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
-    max_length: int | None = Field(default=None, ge=1, le=wire.MAX_SESSION_TOKENS)
-    max_new_tokens: int | None = Field(default=None, ge=1, le=wire.MAX_NEW_TOKENS)
+    max_length: int | None = Field(default=None, ge=1, le=MAX_SESSION_TOKENS)
+    max_new_tokens: int | None = Field(default=None, ge=1, le=MAX_NEW_TOKENS)
     seed: int | None = Field(default=None, ge=0, le=(1 << 64) - 1)
 
     def sampling(self, max_new_tokens: int, stop: tuple[str, ...] = ()) -> Sampling:
@@ -89,8 +98,8 @@ class _Sampling(BaseModel):
 
 
 class V1Request(_Sampling):
-    model: str | None = Field(default=None, max_length=wire.MAX_MODEL_LEN)
-    inputs: str = Field(min_length=1, max_length=wire.MAX_PROMPT_CHARS)
+    model: str | None = Field(default=None, max_length=MAX_MODEL_LEN)
+    inputs: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
     session_id: str | None = None
 
 
@@ -145,17 +154,15 @@ class V2Open(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     type: Literal["open_inference_session"]
-    model: str | None = Field(default=None, max_length=wire.MAX_MODEL_LEN)
-    max_length: int = Field(ge=1, le=wire.MAX_SESSION_TOKENS)
+    model: str | None = Field(default=None, max_length=MAX_MODEL_LEN)
+    max_length: int = Field(ge=1, le=MAX_SESSION_TOKENS)
 
 
 class V2Generate(_Sampling):
     type: Literal["generate"]
-    inputs: str | None = Field(default=None, max_length=wire.MAX_PROMPT_CHARS)
-    stop_sequence: str | None = Field(default=None, min_length=1, max_length=wire.MAX_STOP_LEN)
-    extra_stop_sequences: list[str] | None = Field(
-        default=None, max_length=wire.MAX_STOP_SEQUENCES - 1
-    )
+    inputs: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+    stop_sequence: str | None = Field(default=None, min_length=1, max_length=MAX_STOP_LEN)
+    extra_stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP_SEQUENCES - 1)
     chat: bool = False
     """Extension: `inputs` is the user's message; the daemon wraps it in the chat template."""
     stream: bool = False
@@ -164,11 +171,11 @@ class V2Generate(_Sampling):
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop_sequence] if self.stop_sequence else []
         for extra in self.extra_stop_sequences or ():
-            if not 1 <= len(extra) <= wire.MAX_STOP_LEN:
+            if not 1 <= len(extra) <= MAX_STOP_LEN:
                 raise GatewayError(
                     400,
                     "invalid_request",
-                    f"each stop sequence must be 1 to {wire.MAX_STOP_LEN} characters",
+                    f"each stop sequence must be 1 to {MAX_STOP_LEN} characters",
                     "extra_stop_sequences",
                 )
             if extra not in stops:
@@ -190,35 +197,37 @@ async def v2_generate(websocket: WebSocket) -> None:
         await websocket.close(code=1008, reason="cross-origin use of this gateway is not allowed")
         return
     await websocket.accept()
-    session = _V2Session(websocket, websocket.app.state.link)
     async with anyio.create_task_group() as group:
-        group.start_soon(session.read, group.cancel_scope)
-        try:
-            await session.serve()
-        finally:
-            group.cancel_scope.cancel()
-    if websocket.application_state == WebSocketState.CONNECTED:
-        await websocket.close()
+        session = _V2Session(websocket, websocket.app.state.link, group.cancel_scope)
+        group.start_soon(session.read)
+        await session.serve()
+        group.cancel_scope.cancel()
+    if websocket.client_state == websocket.application_state == WebSocketState.CONNECTED:
+        with contextlib.suppress(WebSocketDisconnect, RuntimeError, OSError):
+            await websocket.close()
 
 
 class _V2Session:
-    """One v2 socket: its inference session on the daemon and what the servers' caches hold."""
+    """One v2 socket: its inference session on the daemon and what the servers' caches hold.
+    Everything it runs lives in `scope`, cancelled when the client goes away."""
 
-    def __init__(self, websocket: WebSocket, link: DaemonLink) -> None:
+    def __init__(self, websocket: WebSocket, link: DaemonLink, scope: anyio.CancelScope) -> None:
         self.websocket = websocket
         self.link = link
+        self.scope = scope
         self.inbox_in, self.inbox = anyio.create_memory_object_stream[
             dict[str, Any] | GatewayError
         ](MAX_QUEUED_REQUESTS)
         self.cancel_wanted = False
         self.max_length = 0
         self.position = 0
-        """Tokens the session holds, counting the last sampled one, which the daemon feeds with
-        the next turn."""
+        """Tokens the session holds, counting the last sampled one (the daemon feeds it with the
+        next turn)."""
         self.messages: list[dict[str, str]] = []
+        """The chat so far, as the daemon holds it for `chat: true` turns."""
 
-    async def read(self, scope: anyio.CancelScope) -> None:
-        """Take the client's messages in while a generation streams (a Cancel must get through);
+    async def read(self) -> None:
+        """Take the client's messages in while a generation streams (so a cancel gets through);
         when the client goes away, cancel everything this socket runs."""
         try:
             async with self.inbox_in:
@@ -229,26 +238,29 @@ class _V2Session:
                     data = message.get("text")
                     if data is None:
                         data = message.get("bytes") or b""
+                    request: dict[str, Any] | GatewayError
                     if len(data) > MAX_BODY_BYTES:
-                        await self.inbox_in.send(too_large("the message"))
-                        continue
-                    try:
-                        request: dict[str, Any] | GatewayError = parse_json_object(
-                            data, "the message"
-                        )
-                    except GatewayError as e:
-                        request = e
+                        request = too_large("the message")
+                    else:
+                        try:
+                            request = parse_json_object(data, "the message")
+                        except GatewayError as e:
+                            request = e
                     if isinstance(request, dict) and request.get("type") == "cancel":
                         self.cancel_wanted = True
                         continue
                     await self.inbox_in.send(request)
-        except WebSocketDisconnect:
+        except (WebSocketDisconnect, RuntimeError, OSError):
             pass
         finally:
-            scope.cancel()
+            self.scope.cancel()
 
     async def send(self, data: dict[str, Any]) -> None:
-        await self.websocket.send_json(data)
+        try:
+            await self.websocket.send_json(data)
+        except (WebSocketDisconnect, RuntimeError, OSError):
+            self.scope.cancel()  # the client is gone: unwind as a cancellation
+            await anyio.lowlevel.checkpoint()
 
     async def next_request(self) -> dict[str, Any] | GatewayError | None:
         with anyio.move_on_after(IDLE_TIMEOUT_S):
@@ -265,7 +277,7 @@ class _V2Session:
         try:
             if isinstance(request, GatewayError):
                 raise request
-            opening = _validate(V2Open, request)
+            opening = validate(V2Open, request)
             facts = await self.link.model()
             facts.check_model(opening.model)
             if opening.max_length > facts.context_length:
@@ -276,10 +288,6 @@ class _V2Session:
                     f"{facts.context_length} tokens",
                     "max_length",
                 )
-        except GatewayError as e:
-            await self.send(error_body(e))
-            return
-        try:
             async with self.link.session_slot(), self.link.connect() as client:
                 try:
                     session_id = await client.open_session(opening.max_length)
@@ -288,7 +296,7 @@ class _V2Session:
                 self.max_length = opening.max_length
                 await self.send({"ok": True})
                 await self._turns(client, session_id, facts)
-        except GatewayError as e:  # the session could not open
+        except GatewayError as e:  # the session could not open: chat.petals.dev hangs up too
             await self.send(error_body(e))
 
     async def _turns(self, client: AsyncClient, session_id: str, facts: ModelFacts) -> None:
@@ -296,94 +304,101 @@ class _V2Session:
             try:
                 if isinstance(request, GatewayError):
                     raise request
-                await self._generate(client, session_id, facts, _validate(V2Generate, request))
+                await self._generate(client, session_id, facts, validate(V2Generate, request))
             except GatewayError as e:
                 await self.send(error_body(e))
 
-    async def _generate(
-        self, client: AsyncClient, session_id: str, facts: ModelFacts, request: V2Generate
-    ) -> None:
-        facts.check_model(None)
-        self.cancel_wanted = False  # a cancel sent between generations stops nothing
+    async def _prompt(self, facts: ModelFacts, request: V2Generate) -> tuple[list[int], int]:
+        """The token ids to send (none for a chat turn: the daemon applies the template) and
+        how many tokens the session will hold once the prompt is in."""
         if request.chat:
             if not request.inputs:
                 raise GatewayError(400, "invalid_request", "chat: true needs inputs", "inputs")
             turn = {"role": "user", "content": request.inputs}
-            held_after_prompt = len(await facts.encode_chat([*self.messages, turn]))
-            ids: list[int] = []
-        else:
-            first = self.position == 0
-            ids = await facts.encode(request.inputs, add_special_tokens=first) if request.inputs else []
-            if first and not ids:
-                raise GatewayError(
-                    400, "invalid_request", "the session's first generate needs inputs", "inputs"
-                )
-            held_after_prompt = self.position + len(ids)
-        room = self.max_length - held_after_prompt
-        until_stop = request.stop_sequence is not None
-        if until_stop:
+            return [], len(await facts.encode_chat([*self.messages, turn]))
+        first = self.position == 0
+        ids = await facts.encode(request.inputs, add_special_tokens=first) if request.inputs else []
+        if first and not ids:
+            raise GatewayError(
+                400, "invalid_request", "the session's first generate needs inputs", "inputs"
+            )
+        return ids, self.position + len(ids)
+
+    def _budget(self, request: V2Generate, held: int) -> int:
+        room = self.max_length - held
+        if request.stop_sequence is not None:
             budget = room  # chat.petals.dev generates until the stop sequence
         elif request.max_new_tokens is not None:
             budget = request.max_new_tokens
         elif request.max_length is not None:
-            budget = request.max_length - held_after_prompt
+            budget = request.max_length - held
         else:
             raise GatewayError(
                 400, "invalid_request", "give max_new_tokens, max_length or stop_sequence"
             )
-        if budget < 1 or budget > room:
+        if not 1 <= budget <= room:
+            asked = "" if request.stop_sequence is not None else f" and this turn asks for {budget}"
             raise GatewayError(
                 400,
                 "context_length_exceeded",
-                f"the session has room for {max(room, 0)} more tokens after these inputs"
-                f"{'' if until_stop else f' and this turn asks for {budget}'}: open a session "
-                "with a larger max_length",
+                f"the session has room for {max(room, 0)} more tokens after these inputs{asked}: "
+                "open a session with a larger max_length",
                 "max_new_tokens",
             )
-        stream = until_stop or request.stream
+        return budget
+
+    async def _generate(
+        self, client: AsyncClient, session_id: str, facts: ModelFacts, request: V2Generate
+    ) -> None:
+        self.cancel_wanted = False  # a cancel sent between generations stops nothing
+        ids, held = await self._prompt(facts, request)
+        sampling = request.sampling(self._budget(request, held), request.stops())
+        stream = request.stop_sequence is not None or request.stream
         text: list[str] = []
-        unsent = 0
-        cancel_sent = False
-        generation = run_generation(
-            client,
-            request.sampling(budget, request.stops()),
-            input_ids=ids or None,
-            prompt=request.inputs if request.chat else (None if ids else ""),
-            chat=request.chat,
-            session=session_id,
-        )
+        seen = 0
         done: Done | None = None
-        async for item in generation:
-            if self.cancel_wanted and not cancel_sent:
-                await client.request_cancel()
-                cancel_sent = True
-            if isinstance(item, Done):
-                done = item
-                break
-            text.append(item.text)
-            unsent += item.tokens
-            if stream:
-                await self.send({"ok": True, "outputs": item.text, "stop": False, "token_count": unsent})
-                unsent = 0
+        cancel_sent = False
+        try:
+            async with aclosing(
+                run_generation(
+                    client,
+                    sampling,
+                    input_ids=ids or None,
+                    prompt=request.inputs if request.chat else (None if ids else ""),
+                    chat=request.chat,
+                    session=session_id,
+                )
+            ) as generation:
+                async for item in generation:
+                    if self.cancel_wanted and not cancel_sent:
+                        await client.request_cancel()
+                        cancel_sent = True
+                    if isinstance(item, Done):
+                        done = item
+                        break
+                    text.append(item.text)
+                    seen += item.tokens
+                    if stream:
+                        await self.send(
+                            {
+                                "ok": True,
+                                "outputs": item.text,
+                                "stop": False,
+                                "token_count": item.tokens,
+                            }
+                        )
+        finally:
+            self.position = held + (done.total if done is not None else seen)
         assert done is not None
         if request.chat:
+            turn = {"role": "user", "content": request.inputs or ""}
             self.messages += [turn, {"role": "assistant", "content": "".join(text)}]
-        self.position = held_after_prompt + done.total
         await self.send(
             {
                 "ok": True,
                 "outputs": "" if stream else "".join(text),
                 "stop": True,
-                "token_count": unsent + done.tokens,
+                "token_count": done.tokens if stream else done.total,
                 "reason": done.reason,
             }
         )
-
-
-def _validate(model: type[Any], request: dict[str, Any]) -> Any:
-    try:
-        return validate(model, request)
-    except GatewayError:
-        raise
-    except Exception as e:  # pragma: no cover - validate raises only GatewayError
-        raise validation_error(e) from e  # type: ignore[arg-type]
