@@ -1,8 +1,9 @@
 """`peerd bench swarm`: greedy generation through three local daemons (10/10/10 blocks of the
 default model) against the whole model in one process with transformers, in the same run.
 
-Reported as ratios (the machine is noisy): decode tokens/s through the swarm over local decode
-tokens/s, and the same for the prompt (prefill); medians over `runs` repetitions.
+Reported as ratios (the machine is noisy): decode tokens/s through the swarm (server-to-server
+push) over local decode tokens/s, the same for the prompt (prefill), and push over the
+client-relayed path; medians over `runs` repetitions.
 """
 
 from __future__ import annotations
@@ -53,13 +54,15 @@ def _local_run(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, f
 
 
 async def _swarm_run(
-    leech: Leech, ids: torch.Tensor, new_tokens: int
+    leech: Leech, ids: torch.Tensor, new_tokens: int, push: bool = True
 ) -> tuple[float, float, list[int]]:
     """(time to first token, decode tokens/s, tokens) of greedy generation through the swarm."""
     tokens: list[int] = []
     started = time.perf_counter()
     first_at = 0.0
-    async with InferenceSession(leech.swarm, max_length=ids.shape[1] + new_tokens) as session:
+    async with InferenceSession(
+        leech.swarm, max_length=ids.shape[1] + new_tokens, push=push
+    ) as session:
         async for token in leech.generator.generate(ids, new_tokens, session=session):
             tokens.append(int(token[0, 0]))
             if len(tokens) == 1:
@@ -92,11 +95,14 @@ def run_swarm_bench(runs: int = 3, new_tokens: int = 64, torch_threads: int = 2)
                 for _ in range(runs):
                     local_prefill, local_tps, local_tokens = _local_run(model, ids, new_tokens)
                     ttft, tps, swarm_tokens = await _swarm_run(leech, ids, new_tokens)
-                    same &= local_tokens == swarm_tokens
+                    _, relay_tps, relay_tokens = await _swarm_run(leech, ids, new_tokens, False)
+                    same &= local_tokens == swarm_tokens == relay_tokens
                     rows.append(
                         {
                             "decode_tps": tps,
                             "local_decode_tps": local_tps,
+                            "relay_decode_tps": relay_tps,
+                            "push_speedup": tps / relay_tps,
                             "ratio": tps / local_tps,
                             "prefill_ratio": local_prefill / ttft,
                             "ttft_s": ttft,
