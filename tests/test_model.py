@@ -1,0 +1,195 @@
+"""The transformers-compatible model against plain transformers on the whole model: three real
+`peerd start` daemons (blocks 0:10, 10:20, 20:30) serve the default model, the model talks to the
+first one's socket, and transformers' own generate drives it."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import blocks
+from peerd.client import DaemonNotRunning
+from peerd.localswarm import LocalSwarm
+from peerd.model import (
+    AutoDistributedModelForCausalLM,
+    DistributedModelForCausalLM,
+    ModelMismatch,
+    UnsupportedGeneration,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+QUESTION = "What are three good reasons to learn to bake bread at home?"
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def swarm() -> Iterator[LocalSwarm]:
+    swarm = LocalSwarm()
+    try:
+        swarm.start("a", "0:10")
+        swarm.start("b", "10:20")
+        swarm.start("c", "20:30")
+        yield swarm
+    finally:
+        swarm.stop()
+
+
+@pytest.fixture(scope="module")
+def model(swarm: LocalSwarm) -> Iterator[DistributedModelForCausalLM]:
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        "default", socket=swarm.daemons[0].socket
+    )
+    try:
+        yield model
+    finally:
+        model.close()
+
+
+@pytest.fixture(scope="module")
+def local() -> Any:
+    """The whole model in this process, as plain transformers loads it."""
+    return AutoModelForCausalLM.from_pretrained(
+        blocks.resolve_checkpoint("default"), dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def prompt(model: DistributedModelForCausalLM) -> torch.Tensor:
+    """A real chat prompt, as the instruct model expects it: [1, tokens]."""
+    messages = [{"role": "user", "content": QUESTION}]
+    ids = model.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    return ids
+
+
+@pytest.fixture(scope="module")
+def reference(local: Any, prompt: torch.Tensor) -> torch.Tensor:
+    """Local greedy generate of NEW_TOKENS after the prompt: [1, prompt + NEW_TOKENS]."""
+    return local.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+def test_greedy_generate_matches_local_transformers(
+    model: DistributedModelForCausalLM, prompt: torch.Tensor, reference: torch.Tensor
+) -> None:
+    started = time.perf_counter()
+    output = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+    seconds = time.perf_counter() - started
+    print(
+        f"{NEW_TOKENS} tokens through 3 daemons in {seconds:.2f} s "
+        f"({NEW_TOKENS / seconds:.1f} tokens/s): "
+        f"{model.tokenizer.decode(output[0, prompt.shape[1] :])!r}"
+    )
+    assert output.tolist() == reference.tolist()
+
+
+def test_sampling_with_a_fixed_seed_is_reproducible(
+    model: DistributedModelForCausalLM, prompt: torch.Tensor
+) -> None:
+    def sample() -> list[int]:
+        torch.manual_seed(1234)
+        out = model.generate(prompt, max_new_tokens=16, do_sample=True, temperature=0.9, top_p=0.95)
+        return list(out[0, prompt.shape[1] :].tolist())
+
+    first, second = sample(), sample()
+    assert first == second
+    assert len(first) == 16
+
+
+def test_inference_session_continues_across_generate_calls(
+    model: DistributedModelForCausalLM, prompt: torch.Tensor, reference: torch.Tensor
+) -> None:
+    n = prompt.shape[1]
+    with model.inference_session(max_length=n + NEW_TOKENS) as session:
+        first = model.generate(prompt, max_new_tokens=NEW_TOKENS // 2)
+        assert session.position == n + NEW_TOKENS // 2 - 1  # the last token is not fed yet
+        second = model.generate(max_new_tokens=NEW_TOKENS // 2)  # no new input: go on
+        # Every token went through the servers once: the second call fed 16, not the prefix.
+        assert session.position == n + NEW_TOKENS - 1
+    assert first.tolist() == reference[:, : n + NEW_TOKENS // 2].tolist()
+    assert second.tolist() == reference.tolist()
+
+
+def test_inference_session_takes_new_tokens_between_calls(
+    model: DistributedModelForCausalLM, local: Any, prompt: torch.Tensor
+) -> None:
+    turn = model.tokenizer(" Thanks! One more:", return_tensors="pt", add_special_tokens=False)
+    extra = turn["input_ids"]
+    with model.inference_session(max_length=prompt.shape[1] + extra.shape[1] + 16) as session:
+        first = model.generate(prompt, max_new_tokens=8)
+        second = model.generate(extra, max_new_tokens=8)
+        with pytest.raises(ValueError, match="open a longer inference_session"):
+            model.generate(extra, max_new_tokens=8)
+    assert session.session_id is None  # closed with the block
+    expected = local.generate(torch.cat([first, extra], dim=1), max_new_tokens=8)
+    assert second.tolist() == expected.tolist()
+
+
+def test_output_hidden_states_are_the_final_normed_states(
+    model: DistributedModelForCausalLM, local: Any, prompt: torch.Tensor
+) -> None:
+    ours = model(prompt, output_hidden_states=True)
+    theirs = local(prompt, output_hidden_states=True)
+    # Two entries: the embeddings' output and the last hidden state (after the final norm), the
+    # first and last of transformers' tuple; the blocks' outputs stay on the servers.
+    assert len(ours.hidden_states) == 2
+    last = (ours.hidden_states[-1] - theirs.hidden_states[-1]).abs().max().item()
+    logits = (ours.logits - theirs.logits).abs().max().item()
+    print(f"max |difference|: last hidden state {last:.2e}, logits {logits:.2e}")
+    assert torch.equal(ours.hidden_states[0], theirs.hidden_states[0])
+    assert last < 1e-4
+    assert logits < 1e-3
+    assert ours.cache is None  # a session of its own, closed again
+
+
+def test_modes_that_rewind_the_cache_are_refused_clearly(
+    model: DistributedModelForCausalLM, prompt: torch.Tensor
+) -> None:
+    with pytest.raises(UnsupportedGeneration, match="beam search needs the servers"):
+        model.generate(prompt, max_new_tokens=4, num_beams=2)
+    with pytest.raises(UnsupportedGeneration, match="roll their KV caches back"):
+        model.generate(prompt, max_new_tokens=4, prompt_lookup_num_tokens=3)
+
+
+def test_an_interrupted_generation_leaves_the_model_usable(
+    model: DistributedModelForCausalLM, prompt: torch.Tensor, reference: torch.Tensor
+) -> None:
+    """Ctrl-C in the middle of a step leaves its reply unread: the next call must not read it."""
+
+    main = threading.main_thread().ident
+    assert main is not None and threading.get_ident() == main
+    # A real SIGINT to this thread, so it lands inside a blocking read as Ctrl-C would.
+    ctrl_c = threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT))
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model.generate(prompt, max_new_tokens=200)
+    finally:
+        ctrl_c.cancel()
+        ctrl_c.join()
+    output = model.generate(prompt, max_new_tokens=8)
+    assert output.tolist() == reference[:, : prompt.shape[1] + 8].tolist()
+
+
+def test_no_daemon_says_how_to_start_one(tmp_path: Path) -> None:
+    with pytest.raises(DaemonNotRunning, match="peerd start"):
+        AutoDistributedModelForCausalLM.from_pretrained("default", socket=tmp_path / "no.sock")
+
+
+def test_a_daemon_running_another_model_is_refused(swarm: LocalSwarm, tmp_path: Path) -> None:
+    # The same files under another name: another model as far as names go.
+    other = tmp_path / "other-model"
+    other.mkdir()
+    for file in blocks.resolve_checkpoint("default").iterdir():
+        (other / file.name).symlink_to(file)
+    with pytest.raises(ModelMismatch, match="runs smollm2-135m-instruct, not other-model"):
+        AutoDistributedModelForCausalLM.from_pretrained(other, socket=swarm.daemons[0].socket)
