@@ -232,6 +232,26 @@ def demo(
     run_demo(prompt, max_new_tokens)
 
 
+@app.command()
+def gateway(
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, min=0, max=65535, help="TCP port to listen on."),
+    socket: Path | None = typer.Option(
+        None, help="The daemon's local API socket (default: $PEERD_SOCKET, then the per-user one)."
+    ),
+    model: Path | None = typer.Option(
+        None, help="The daemon's model directory, when it is not the default (for its tokenizer)."
+    ),
+    log_level: str = typer.Option("info", help="debug, info, warning or error."),
+) -> None:
+    """chat.petals.dev-compatible and OpenAI-compatible APIs and a web chat page, in front of the
+    local daemon (docs/gateway.md)."""
+    from peerd.gateway import serve
+
+    typer.echo(f"peerd gateway: web chat and APIs on http://{host}:{port}/")
+    serve(host, port, socket, model, log_level)
+
+
 @bench_app.command("wire")
 def bench_wire(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),

@@ -15,6 +15,18 @@ if ! dpkg -s libgmp-dev >/dev/null 2>&1; then
     fi
 fi
 
+# The gateway's browser test drives Debian's chromium through Playwright (never `playwright
+# install`: it downloads browsers from the internet).
+if ! dpkg -s chromium chromium-driver >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+    else
+        echo "peerd setup: chromium is missing, so the gateway's browser test will be skipped;" \
+            "run: sudo apt-get install chromium chromium-driver" >&2
+    fi
+fi
+
 [ -x .venv/bin/python ] || python3 -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 # Pin the CPU build that lies on disk: an unpinned torch pulls a multi-GB CUDA build.
