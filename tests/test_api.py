@@ -106,7 +106,7 @@ def test_chat_in_a_terminal_reuses_the_session(swarm: LocalSwarm) -> None:
 
     chat = pexpect.spawn(
         sys.executable,
-        ["-m", "cli", "chat", "--socket", str(swarm.daemons[0].socket), "--max-new-tokens", "24"],
+        ["-m", "cli", "chat", "--socket", str(swarm.daemons[0].socket), "--max-new-tokens", "300"],
         encoding="utf-8",
         timeout=120,
     )
@@ -127,6 +127,13 @@ def test_chat_in_a_terminal_reuses_the_session(swarm: LocalSwarm) -> None:
         turn_two = (served() - before) // 3  # each of the three servers saw the same tokens
         chat.sendline("/route")
         chat.expect("route: .*->.*->")
+        chat.expect(">>> ")
+        # Ctrl-C stops a runaway answer, not the chat.
+        chat.sendline("Write a very long story about a dragon.")
+        chat.expect(r"\w+ \w+ \w+")  # the answer has started streaming
+        chat.sendintr()
+        chat.expect(r"tokens/s \(stopped\)\]")
+        chat.expect(">>> ")
         chat.sendline("/quit")
         chat.expect(pexpect.EOF)
     finally:
