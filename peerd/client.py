@@ -118,6 +118,12 @@ def _check_reply(answer: wire.Message, reply: type[Any]) -> Any:
     return answer
 
 
+def _token_or_done(message: wire.Message) -> wire.GeneratedToken | wire.GenerateDone:
+    if not isinstance(message, wire.GeneratedToken | wire.GenerateDone):
+        raise PeerdError("bad_reply", f"expected a token, got {type(message).__name__}")
+    return message
+
+
 def _raise_if_error(message: wire.Message) -> wire.Message:
     if isinstance(message, wire.Error):
         raise PeerdError(message.code, message.message)
@@ -180,23 +186,18 @@ class Client:
         """Every GeneratedToken as it is sampled, then the GenerateDone. Closing the generator
         early cancels the generation on the daemon."""
         self._send(_generate_request(prompt, input_ids, chat, session, GenerateOptions(**options)))
-        done = False
+        finished = False
         try:
-            while True:
+            while not finished:
                 try:
-                    message = self._receive()
+                    message = _token_or_done(self._receive())
                 except PeerdError:
-                    done = True  # the daemon ended this request with an error
+                    finished = True  # the daemon ended this request with an error
                     raise
-                if isinstance(message, wire.GenerateDone):
-                    done = True
-                    yield message
-                    return
-                if not isinstance(message, wire.GeneratedToken):
-                    raise PeerdError("bad_reply", f"unexpected {type(message).__name__}")
+                finished = isinstance(message, wire.GenerateDone)
                 yield message
         finally:
-            if not done:
+            if not finished:
                 self.cancel()
 
     def cancel(self) -> None:
@@ -317,23 +318,18 @@ class AsyncClient:
         await self._send(
             _generate_request(prompt, input_ids, chat, session, GenerateOptions(**options))
         )
-        done = False
+        finished = False
         try:
-            while True:
+            while not finished:
                 try:
-                    message = await self._receive()
+                    message = _token_or_done(await self._receive())
                 except PeerdError:
-                    done = True  # the daemon ended this request with an error
+                    finished = True  # the daemon ended this request with an error
                     raise
-                if isinstance(message, wire.GenerateDone):
-                    done = True
-                    yield message
-                    return
-                if not isinstance(message, wire.GeneratedToken):
-                    raise PeerdError("bad_reply", f"unexpected {type(message).__name__}")
+                finished = isinstance(message, wire.GenerateDone)
                 yield message
         finally:
-            if not done and self._stream is not None:
+            if not finished and self._stream is not None:
                 with anyio.CancelScope(shield=True):
                     await self.cancel()
 

@@ -7,72 +7,45 @@ import random
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from typing import Any
 
 import pexpect
 import pytest
 import torch
 
-import blocks
 import wire
 from peerd.client import Client, DaemonNotRunning, PeerdError
 from peerd.localswarm import LocalSwarm
+from tests.conftest import greedy_continuation
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 PROMPT = "Once upon a time, there was a little"
 
 
-@pytest.fixture(scope="module")
-def local_model() -> tuple[object, object]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = blocks.resolve_checkpoint("default")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model, tokenizer
-
-
-def local_greedy(local_model: tuple[object, object], prompt: str, n: int) -> list[int]:
-    model, tokenizer = local_model
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]  # type: ignore[operator]
-    out = model.generate(ids, max_new_tokens=n, do_sample=False)  # type: ignore[attr-defined]
-    return [int(t) for t in out[0, ids.shape[1] :]]
-
-
-@pytest.fixture(scope="module")
-def swarm() -> Iterator[LocalSwarm]:
-    local = LocalSwarm()
-    try:
-        local.start("a", "0:10")
-        local.start("b", "10:20")
-        local.start("c", "20:30")
-        yield local
-    finally:
-        local.stop()
-
-
-def test_greedy_through_client_library_equals_transformers(swarm: LocalSwarm, local_model) -> None:  # type: ignore[no-untyped-def]
-    expected = local_greedy(local_model, PROMPT, 24)
+def test_greedy_through_client_library_equals_transformers(
+    swarm: LocalSwarm, local_model: Any, tokenizer: Any
+) -> None:
+    expected = greedy_continuation(local_model, tokenizer, PROMPT, 24)
     with Client(swarm.daemons[0].socket) as client:
         result = client.generate_full(PROMPT, max_new_tokens=24)
         streamed = "".join(client.generate(PROMPT, max_new_tokens=24, stream=True))
     assert result.token_ids == expected
     assert result.reason == "length"
     assert streamed == result.text
-    _, tokenizer = local_model
-    assert result.text == tokenizer.decode(expected, skip_special_tokens=True)  # type: ignore[attr-defined]
+    assert result.text == tokenizer.decode(expected, skip_special_tokens=True)
 
 
-def test_peerd_generate_command_equals_transformers(swarm: LocalSwarm, local_model) -> None:  # type: ignore[no-untyped-def]
-    expected = local_greedy(local_model, PROMPT, 16)
-    _, tokenizer = local_model
+def test_peerd_generate_command_equals_transformers(
+    swarm: LocalSwarm, local_model: Any, tokenizer: Any
+) -> None:
+    expected = greedy_continuation(local_model, tokenizer, PROMPT, 16)
     run = subprocess.run(
         [sys.executable, "-m", "cli", "generate", PROMPT, "--max-new-tokens", "16",
          "--socket", str(swarm.daemons[1].socket)],
         capture_output=True, text=True, timeout=120, check=True,
     )  # fmt: skip
-    assert run.stdout.rstrip("\n") == tokenizer.decode(expected, skip_special_tokens=True)  # type: ignore[attr-defined]
+    assert run.stdout.rstrip("\n") == tokenizer.decode(expected, skip_special_tokens=True)
 
 
 def test_sampling_with_a_seed_is_reproducible(swarm: LocalSwarm) -> None:
@@ -96,7 +69,7 @@ def test_stop_sequences_and_cancel(swarm: LocalSwarm) -> None:
         assert client.generate_full(PROMPT, max_new_tokens=4).reason == "length"
 
 
-def test_chat_in_a_terminal_reuses_the_session(swarm: LocalSwarm) -> None:
+def test_chat_in_a_terminal_reuses_the_session(swarm: LocalSwarm, tokenizer: Any) -> None:
     def served() -> int:
         total = 0
         for daemon in swarm.daemons:
@@ -140,7 +113,6 @@ def test_chat_in_a_terminal_reuses_the_session(swarm: LocalSwarm) -> None:
         chat.close(force=True)
     # Were the history re-sent, turn two would run the whole templated conversation (system
     # prompt, first question and answer, second question) through the servers.
-    _, tokenizer = (None, blocks.load_client_side("default").tokenizer)
     history = tokenizer.apply_chat_template(
         [
             {"role": "user", "content": "What is the capital of France?"},

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 import blocks
 from peerd.client import DaemonNotRunning
@@ -32,18 +31,6 @@ NEW_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
-def swarm() -> Iterator[LocalSwarm]:
-    swarm = LocalSwarm()
-    try:
-        swarm.start("a", "0:10")
-        swarm.start("b", "10:20")
-        swarm.start("c", "20:30")
-        yield swarm
-    finally:
-        swarm.stop()
-
-
-@pytest.fixture(scope="module")
 def model(swarm: LocalSwarm) -> Iterator[DistributedModelForCausalLM]:
     model = AutoDistributedModelForCausalLM.from_pretrained(
         "default", socket=swarm.daemons[0].socket
@@ -55,11 +42,9 @@ def model(swarm: LocalSwarm) -> Iterator[DistributedModelForCausalLM]:
 
 
 @pytest.fixture(scope="module")
-def local() -> Any:
+def local(local_model: Any) -> Any:
     """The whole model in this process, as plain transformers loads it."""
-    return AutoModelForCausalLM.from_pretrained(
-        blocks.resolve_checkpoint("default"), dtype=torch.float32
-    ).eval()
+    return local_model
 
 
 @pytest.fixture(scope="module")

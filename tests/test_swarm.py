@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 import trio
 from libp2p.peer.id import ID
 
-import blocks
 import wire
 from peerd.inference import InferenceSession
 from peerd.leech import open_leech
 from peerd.localswarm import LocalSwarm
 from peerd.p2p import INFERENCE_PROTOCOL
 from peerd.streams import MessageStream
+from tests.conftest import greedy_continuation
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -25,16 +26,10 @@ PROMPT = "Once upon a time, there was a little"
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[int, list[int]]:
-    """Greedy continuations of PROMPT by plain transformers on the whole model, by length."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = blocks.resolve_checkpoint("default")
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
-    out = model.generate(ids, max_new_tokens=40, do_sample=False)
-    return {"ids": ids[0].tolist(), "new": out[0, ids.shape[1] :].tolist()}  # type: ignore[dict-item]
+def reference(local_model: Any, tokenizer: Any) -> dict[str, list[int]]:
+    """PROMPT's token ids and its greedy continuation by plain transformers on the whole model."""
+    ids = tokenizer(PROMPT)["input_ids"]
+    return {"ids": ids, "new": greedy_continuation(local_model, tokenizer, PROMPT, 40)}
 
 
 @pytest.fixture(scope="module")
@@ -91,65 +86,27 @@ async def test_bad_peers_get_clear_errors_and_server_keeps_serving(
             reply = await bad.receive(10)
             assert isinstance(reply, wire.Error) and reply.message
 
+            async def session_reply(start: int, end: int, step: torch.Tensor | None) -> object:
+                """Open a session on blocks start:end (and send one step): the last reply."""
+                bad = await open_raw()
+                request = wire.OpenSession(
+                    session_id="s", model=leech.swarm.model, start=start, end=end, max_length=16
+                )
+                await bad.send(request)
+                reply = await bad.receive(10)
+                if step is None or not isinstance(reply, wire.SessionOpened):
+                    return reply
+                await bad.send(wire.Step(session_id="s", step_id=0, hidden_states=step))
+                return await bad.receive(10)
+
             # 2. Blocks the server does not hold.
-            bad = await open_raw()
-            await bad.send(
-                wire.OpenSession(
-                    session_id="x",
-                    model=leech.swarm.model,
-                    start=0,
-                    end=10,
-                    max_length=16,
-                    batch_size=1,
-                )
-            )
-            reply = await bad.receive(10)
+            reply = await session_reply(0, 10, None)
             assert isinstance(reply, wire.Error) and "10:20" in reply.message
-
             # 3. An oversize tensor: more tokens than the session's max_length.
-            bad = await open_raw()
-            await bad.send(
-                wire.OpenSession(
-                    session_id="y",
-                    model=leech.swarm.model,
-                    start=10,
-                    end=20,
-                    max_length=16,
-                    batch_size=1,
-                )
-            )
-            assert isinstance(await bad.receive(10), wire.SessionOpened)
-            await bad.send(
-                wire.Step(
-                    session_id="y",
-                    step_id=0,
-                    hidden_states=torch.zeros(1, 17, 576),
-                )
-            )
-            reply = await bad.receive(10)
+            reply = await session_reply(10, 20, torch.zeros(1, 17, 576))
             assert isinstance(reply, wire.Error) and "max_length" in reply.message
-
             # 4. A tensor of the wrong width.
-            bad = await open_raw()
-            await bad.send(
-                wire.OpenSession(
-                    session_id="z",
-                    model=leech.swarm.model,
-                    start=10,
-                    end=20,
-                    max_length=16,
-                    batch_size=1,
-                )
-            )
-            assert isinstance(await bad.receive(10), wire.SessionOpened)
-            await bad.send(
-                wire.Step(
-                    session_id="z",
-                    step_id=0,
-                    hidden_states=torch.zeros(1, 2, 100),
-                )
-            )
-            reply = await bad.receive(10)
+            reply = await session_reply(10, 20, torch.zeros(1, 2, 100))
             assert isinstance(reply, wire.Error) and "576" in reply.message
 
             second = await healthy.step(hidden[:, :1])

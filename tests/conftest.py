@@ -1,0 +1,52 @@
+"""Fixtures shared by the multi-process tests: one three-daemon swarm of the default model for
+the whole session (starting one costs ~15 s of a 2-core CI machine), and the whole model loaded
+by plain transformers as the reference every distributed result must equal."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import blocks
+from peerd.localswarm import LocalSwarm
+
+
+@pytest.fixture(scope="session")
+def swarm() -> Iterator[LocalSwarm]:
+    """Daemons a, b, c serving 0:10, 10:20, 20:30. Tests must not stop or restart them (a test
+    that needs to kill servers starts its own LocalSwarm)."""
+    local = LocalSwarm()
+    try:
+        local.start("a", "0:10")
+        local.start("b", "10:20")
+        local.start("c", "20:30")
+        yield local
+    finally:
+        local.stop()
+
+
+@pytest.fixture(scope="session")
+def local_model() -> Any:
+    """The whole default model in this process, as plain transformers loads it."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        blocks.resolve_checkpoint("default"), dtype=torch.float32
+    ).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(blocks.resolve_checkpoint("default"))
+
+
+def greedy_continuation(model: Any, tokenizer: Any, prompt: str, new_tokens: int) -> list[int]:
+    """Token ids transformers' greedy generate adds after `prompt`."""
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+    return [int(t) for t in out[0, ids.shape[1] :]]
