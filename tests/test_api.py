@@ -187,3 +187,22 @@ def test_malformed_requests_get_errors_and_the_daemon_keeps_serving(swarm: Local
         with pytest.raises(PeerdError, match="session"):
             client.step("no-such-session", torch.zeros(1, 1, 576))
         assert client.generate_full(PROMPT, max_new_tokens=2).reason == "length"
+
+
+def test_peerd_status_shows_coverage_and_servers(swarm: LocalSwarm) -> None:
+    socket_path = str(swarm.daemons[0].socket)
+    table = subprocess.run(
+        [sys.executable, "-m", "cli", "status", "--socket", socket_path],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert "every block is served" in table
+    assert "serving blocks 0:10" in table
+    assert table.count("direct") == 3
+    as_json = subprocess.run(
+        [sys.executable, "-m", "cli", "status", "--socket", socket_path, "--json"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    import json
+
+    status = json.loads(as_json)
+    assert sorted((s["start"], s["end"]) for s in status["swarm"]) == [(0, 10), (10, 20), (20, 30)]
