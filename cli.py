@@ -22,6 +22,10 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks that report ratios measured side by side in one run.")
 app.add_typer(bench_app, name="bench")
+service_app = typer.Typer(
+    help="A systemd unit that keeps `peerd start ...` running (docs/operations.md)."
+)
+app.add_typer(service_app, name="service")
 
 
 def _print_report(report: dict, as_json: bool) -> None:
@@ -61,6 +65,12 @@ def start(
         None, help="Local API socket (default: $XDG_RUNTIME_DIR/peerd/peerd.sock)."
     ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    drain_timeout: float = typer.Option(
+        30.0, min=0.0, help="On SIGTERM: seconds open sessions may go on before they move."
+    ),
+    metrics_port: int | None = typer.Option(
+        None, min=0, max=65535, help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics."
+    ),
 ) -> None:
     """Serve blocks of a model to the swarm and route generations for local clients."""
     from peerd.daemon import DaemonConfig, DaemonError, configure_logging, run
@@ -89,6 +99,8 @@ def start(
         rebalance_period=rebalance_period,
         torch_threads=torch_threads,
         socket=socket,
+        drain_deadline=drain_timeout,
+        metrics_port=metrics_port,
     )
     try:
         run(config)
@@ -301,6 +313,53 @@ def bench_swarm(
 
     configure_logging("warning")
     _print_report(run_swarm_bench(runs=runs, new_tokens=new_tokens), as_json)
+
+
+@service_app.command("install", context_settings={"allow_interspersed_args": False})
+def service_install(
+    start_args: list[str] = typer.Argument(
+        None, help="Arguments of `peerd start`, after `--`: peerd service install -- --new-swarm"
+    ),
+    user: bool = typer.Option(False, "--user", help="A user unit (systemctl --user)."),
+    print_only: bool = typer.Option(False, "--print", help="Print the unit; write nothing."),
+    run_as: str | None = typer.Option(
+        None, help="System unit: the account that runs the daemon (default: who ran sudo)."
+    ),
+    unit_dir: Path | None = typer.Option(
+        None, help="Write the unit and its environment file here instead (no systemctl)."
+    ),
+) -> None:
+    """Write a systemd unit (and an environment file) for `peerd start START_ARGS`."""
+    from peerd.service import ServiceError, ServiceSpec, default_run_as, install, unit_text
+
+    spec = ServiceSpec(
+        start_args=tuple(start_args or ()),
+        user=user,
+        run_as=None if user else (run_as or default_run_as()),
+        env_file=unit_dir / "peerd.env" if unit_dir else None,
+    )
+    try:
+        if print_only:
+            typer.echo(unit_text(spec), nl=False)
+            return
+        installed = install(spec, unit_dir, reload=unit_dir is None)
+    except (ServiceError, OSError) as e:
+        typer.echo(f"peerd service install: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {installed.unit} (settings in {installed.env_file})")
+    typer.echo(f"start it now and at boot: {installed.enable_hint}")
+
+
+@service_app.command("uninstall")
+def service_uninstall(
+    user: bool = typer.Option(False, "--user", help="The user unit (systemctl --user)."),
+    unit_dir: Path | None = typer.Option(None, help="The unit is here instead."),
+) -> None:
+    """Stop and disable the peerd service and remove its unit (identity and cache stay)."""
+    from peerd.service import uninstall
+
+    removed = uninstall(user, unit_dir, reload=unit_dir is None)
+    typer.echo(f"removed {removed}" if removed else "no peerd service was installed")
 
 
 if __name__ == "__main__":

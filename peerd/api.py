@@ -73,6 +73,7 @@ class LocalApi:
         self._status = status
         self._welcome = welcome
         self.connections = 0
+        self.generations = 0  # Generate requests answered (peerd_generations_total)
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         path = self.socket_path
@@ -259,6 +260,7 @@ class _Connection:
 
     async def _generate(self, request: wire.Generate) -> None:
         generator: Generator = await self.api._get_generator()
+        self.api.generations += 1
         tokenizer = generator.client.tokenizer
         if request.model is not None and request.model != generator.swarm.model:
             raise ApiError(

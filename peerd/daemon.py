@@ -67,6 +67,8 @@ class DaemonConfig:
     rebalance_period: float = 120.0  # --blocks auto|N: how often to re-check the span
     torch_threads: int | None = None
     socket: Path | None = None  # None: the per-user default (peerd.paths.default_socket_path)
+    drain_deadline: float = DRAIN_DEADLINE_S  # SIGTERM: how long open sessions may go on
+    metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:PORT (0: any)
     limits: ServerLimits = field(default_factory=ServerLimits)
 
     def listen_addrs(self) -> list[str]:
@@ -123,7 +125,9 @@ class Daemon:
         self.server: BlockServer | None = None
         self.started = trio.Event()
         self.started_at = time.time()
+        self.metrics_port: int | None = None  # the bound port, once serving metrics
         self._generator: Generator | None = None
+        self.api: LocalApi | None = None
         self._generator_lock = trio.Lock()
         if config.blocks is not None:
             self.blocks_spec = parse_blocks(config.blocks, self.num_blocks)
@@ -152,10 +156,21 @@ class Daemon:
                 if config.blocks is not None:
                     await self._start_serving(nursery)
                 nursery.start_soon(self.swarm.run)
-                socket_path = await nursery.start(self._api().serve)
+                self.api = self._api()
+                socket_path = await nursery.start(self.api.serve)
+                if config.metrics_port is not None:
+                    await self._serve_metrics(nursery, config.metrics_port)
                 self._print_banner(socket_path)
                 self.started.set()
                 nursery.start_soon(self._handle_signals, nursery.cancel_scope)
+
+    async def _serve_metrics(self, nursery: trio.Nursery, port: int) -> None:
+        from peerd.metrics import TokenRate, daemon_metrics, sample_tokens, serve_metrics
+
+        rate = TokenRate()
+        nursery.start_soon(sample_tokens, self, rate)
+        bound = await nursery.start(serve_metrics, port, lambda: daemon_metrics(self, rate))
+        self.metrics_port = bound
 
     async def _join(self, text: str) -> None:
         assert self.node is not None
@@ -297,6 +312,8 @@ class Daemon:
         if self.server is not None:
             lines.append(f"serving blocks {self.server.start}:{self.server.end} of {self.model}")
         lines.append(f"local API socket {socket_path}")
+        if self.metrics_port is not None:
+            lines.append(f"metrics on http://127.0.0.1:{self.metrics_port}/metrics")
         lines += [f"listening on {addr}" for addr in self.node.maddrs()]
         print("\n".join(lines), flush=True)
 
@@ -314,7 +331,7 @@ class Daemon:
         if self.server is None:
             return
         self.server.drain()
-        with trio.move_on_after(DRAIN_DEADLINE_S):
+        with trio.move_on_after(self.config.drain_deadline):
             while self.server.open_sessions:
                 await trio.sleep(0.1)
         # Past the deadline: end the rest (their clients fail over to other servers).

@@ -27,6 +27,17 @@ if ! dpkg -s chromium chromium-driver >/dev/null 2>&1; then
     fi
 fi
 
+# tests/test_operations.py checks the unit of `peerd service install` with systemd-analyze.
+if ! command -v systemd-analyze >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq systemd >/dev/null
+    else
+        echo "peerd setup: systemd-analyze is missing, so the service unit test will be skipped;" \
+            "run: sudo apt-get install systemd" >&2
+    fi
+fi
+
 [ -x .venv/bin/python ] || python3 -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 # Pin the CPU build that lies on disk: an unpinned torch pulls a multi-GB CUDA build.

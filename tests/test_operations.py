@@ -1,0 +1,391 @@
+"""Operating a daemon: the systemd unit of `peerd service`, Prometheus metrics, and what the
+logs of a daemon that lost a peer look like."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+from typer.testing import CliRunner
+
+from blocks.checkpoint import user_cache_dir
+from peerd.daemon import DRAIN_DEADLINE_S
+from peerd.inference import InferenceSession
+from peerd.leech import open_leech
+from peerd.localswarm import LocalSwarm
+from peerd.metrics import Metric, TokenRate, render, serve_metrics
+from peerd.service import (
+    ServiceError,
+    ServiceSpec,
+    exec_start,
+    parse_exec_start,
+    service_env,
+    stop_timeout,
+    unit_text,
+)
+from tests.conftest import greedy_continuation
+
+PROMPT = "Once upon a time, there was a little"
+
+
+def _directives(unit: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for line in unit.splitlines():
+        if "=" in line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            out.setdefault(key, []).append(value)
+    return out
+
+
+# --- the unit, as text --------------------------------------------------------------------------
+
+
+def test_system_unit_restarts_with_backoff_stops_cleanly_and_is_sandboxed() -> None:
+    spec = ServiceSpec(("--new-swarm", "--blocks", "0:10"), run_as="peerd")
+    d = _directives(unit_text(spec))
+    assert d["Restart"] == ["on-failure"] and int(d["RestartSec"][0]) > 0
+    assert d["StartLimitBurst"] and d["StartLimitIntervalSec"]
+    assert d["RestartPreventExitStatus"] == ["2"]  # a bad flag: restarting would not help
+    assert d["KillSignal"] == ["SIGTERM"]
+    assert int(d["TimeoutStopSec"][0]) > DRAIN_DEADLINE_S + 5
+    assert d["StandardOutput"] == ["journal"] and d["StandardError"] == ["journal"]
+    for key in ("NoNewPrivileges", "PrivateTmp"):
+        assert d[key] == ["yes"]
+    assert d["ProtectSystem"] == ["strict"] and d["ProtectHome"][0] in ("yes", "read-only")
+    assert d["StateDirectory"] == d["CacheDirectory"] == d["RuntimeDirectory"] == ["peerd"]
+    env = dict(v.split("=", 1) for v in d["Environment"])
+    assert env["PEERD_STATE_DIR"] == "%S/peerd"
+    assert env["PEERD_CACHE_DIR"] == "%C/peerd"
+    assert env["PEERD_RUNTIME_DIR"] == "%t/peerd"
+    assert d["User"] == ["peerd"] and d["WantedBy"] == ["multi-user.target"]
+    assert d["EnvironmentFile"] == ["-/etc/peerd/peerd.env"]
+
+
+def test_user_unit_keeps_to_what_a_user_manager_can_do() -> None:
+    d = _directives(unit_text(ServiceSpec(("--new-swarm",), user=True, run_as="someone")))
+    assert "User" not in d and "ProtectSystem" not in d
+    assert d["NoNewPrivileges"] == ["yes"] and d["WantedBy"] == ["default.target"]
+
+
+def test_exec_start_round_trips_odd_arguments() -> None:
+    args = ("--initial-peers", "/ip4/1.2.3.4/tcp/1/p2p/X", "--model", "/models/my model 100%$HOME")
+    spec = ServiceSpec(args, command=("/opt/peerd/bin/peerd",))
+    unit = unit_text(spec)
+    assert parse_exec_start(unit) == exec_start(spec)
+    assert "%%" in unit and "$$HOME" in unit  # systemd would expand % and $ otherwise
+
+
+def test_unit_without_a_swarm_is_refused() -> None:
+    with pytest.raises(ServiceError, match="--initial-peers"):
+        unit_text(ServiceSpec(("--blocks", "auto")))
+
+
+def test_stop_timeout_follows_the_drain_deadline() -> None:
+    assert stop_timeout(()) > DRAIN_DEADLINE_S + 5
+    assert stop_timeout(("--drain-timeout", "300")) > 305
+    assert stop_timeout(("--drain-timeout=1",)) > 6
+
+
+def _systemd_analyze() -> str:
+    """systemd-analyze, installed with apt-get when missing and possible; skip only if not."""
+    found = shutil.which("systemd-analyze")
+    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "install", "-y", "-qq", "systemd"], env=env, check=False,
+                       capture_output=True, timeout=300)  # fmt: skip
+        found = shutil.which("systemd-analyze")
+    if found is None:
+        pytest.skip("systemd-analyze is missing and cannot be installed here")
+    return found
+
+
+@pytest.mark.parametrize("user", [False, True])
+def test_printed_unit_passes_systemd_analyze_verify(tmp_path: Path, user: bool) -> None:
+    analyze = _systemd_analyze()
+    flags = ["--user"] if user else []
+    result = CliRunner().invoke(
+        _app(), ["service", "install", "--print", *flags, "--", "--new-swarm", "--blocks", "0:10"]
+    )
+    assert result.exit_code == 0, result.output
+    unit = tmp_path / "peerd.service"
+    unit.write_text(result.output)
+    runtime = tmp_path / "xdg"
+    runtime.mkdir(mode=0o700)
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime))  # a user manager needs one
+    verify = subprocess.run(
+        [analyze, *flags, "verify", str(unit)], capture_output=True, text=True, env=env
+    )
+    problems = verify.stdout + verify.stderr
+    assert verify.returncode == 0, problems
+    assert "Unknown" not in problems and "Invalid" not in problems, problems
+
+
+def test_install_and_uninstall(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(
+        _app(), ["service", "install", "--unit-dir", str(tmp_path), "--", "--new-swarm"]
+    )
+    assert result.exit_code == 0, result.output
+    unit = (tmp_path / "peerd.service").read_text()
+    assert f"EnvironmentFile=-{tmp_path / 'peerd.env'}" in unit
+    assert (tmp_path / "peerd.env").stat().st_mode & 0o777 == 0o600
+    refused = runner.invoke(_app(), ["service", "install", "--unit-dir", str(tmp_path)])
+    assert refused.exit_code == 2 and "--initial-peers" in refused.output
+    result = runner.invoke(_app(), ["service", "uninstall", "--unit-dir", str(tmp_path)])
+    assert result.exit_code == 0 and not (tmp_path / "peerd.service").exists()
+    assert (tmp_path / "peerd.env").exists()  # the operator's settings stay
+
+
+def _app() -> Any:
+    from cli import app
+
+    return app
+
+
+# --- metrics, in process -----------------------------------------------------------------------
+
+
+def test_render_is_prometheus_text_format() -> None:
+    text = render(
+        [
+            Metric("peerd_steps_total", "counter", "Steps.").add(3),
+            Metric("peerd_errors_total", "counter", "Errors.").add(2, code='bad "x"\n'),
+        ]
+    )
+    assert text.splitlines() == [
+        "# HELP peerd_steps_total Steps.",
+        "# TYPE peerd_steps_total counter",
+        "peerd_steps_total 3",
+        "# HELP peerd_errors_total Errors.",
+        "# TYPE peerd_errors_total counter",
+        'peerd_errors_total{code="bad \\"x\\"\\n"} 2',
+    ]
+
+
+def test_token_rate_over_a_window() -> None:
+    rate = TokenRate(window=10)
+    assert rate.rate() == 0.0
+    for second in range(30):
+        rate.record(float(second), 100 * second if second < 20 else 2000)
+    assert rate.rate() == pytest.approx(0.0, abs=20)  # idle for the last 10 s
+    rate.record(30.0, 2500)
+    assert rate.rate() > 0
+
+
+async def test_metrics_endpoint_answers_get_only() -> None:
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(
+            serve_metrics, 0, lambda: [Metric("peerd_up", "gauge", "Up.").add(1)]
+        )
+
+        async def fetch(request: bytes) -> bytes:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(request)
+            data = b""
+            while chunk := await stream.receive_some(65536):
+                data += chunk
+            return data
+
+        ok = await fetch(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert ok.startswith(b"HTTP/1.1 200") and b"\r\n\r\npeerd_up 1" in ok.replace(
+            b"# HELP peerd_up Up.\n# TYPE peerd_up gauge\n", b""
+        )
+        assert b"version=0.0.4" in ok
+        assert (await fetch(b"GET / HTTP/1.1\r\n\r\n")).startswith(b"HTTP/1.1 404")
+        assert (await fetch(b"POST /metrics HTTP/1.1\r\n\r\n")).startswith(b"HTTP/1.1 405")
+        nursery.cancel_scope.cancel()
+
+
+# --- real daemons -------------------------------------------------------------------------------
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """name{labels} -> value of one scrape."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
+
+
+def _metrics_port(output: list[str]) -> int:
+    for line in output:
+        if m := re.match(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", line):
+            return int(m.group(1))
+    raise AssertionError(f"no metrics line in the banner: {output}")
+
+
+def _tracebacks(log: Path) -> list[str]:
+    text = log.read_text(errors="replace")
+    return [text[max(0, i - 200) : i + 1500] for i in [m.start() for m in
+            re.finditer("Traceback", text)]]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_metrics_move_during_a_generation() -> None:
+    from peerd.client import Client
+
+    swarm = LocalSwarm()
+    try:
+        server = swarm.start("x", "0:30", "--metrics-port", "0")
+        client_daemon = swarm.start("y", "none", "--metrics-port", "0")
+        server_port = _metrics_port(server.output)
+        client_port = _metrics_port(client_daemon.output)
+        before = _scrape(server_port)
+        assert before["peerd_steps_total"] == 0 and before["peerd_sessions_open"] == 0
+        assert before["peerd_cache_tokens_free"] > 0
+        during: dict[str, float] = {}
+        with Client(client_daemon.socket) as client:
+            for pieces, _ in enumerate(client.generate(PROMPT, max_new_tokens=40, stream=True)):
+                if pieces == 20:
+                    during = _scrape(server_port)
+        time.sleep(1.2)  # one more tokens/s sample
+        after = _scrape(server_port)
+        api = _scrape(client_port)
+        print(
+            f"mid-generation: {during['peerd_sessions_open']:.0f} open session, "
+            f"{during['peerd_steps_total']:.0f} steps, "
+            f"{during['peerd_cache_tokens_used']:.0f} cache tokens used, "
+            f"{after['peerd_tokens_per_second']:.1f} tokens/s over the window"
+        )
+        assert during["peerd_sessions_open"] == 1
+        assert during["peerd_cache_tokens_used"] > 0
+        assert 0 < during["peerd_steps_total"] < after["peerd_steps_total"]
+        assert after["peerd_sessions_opened_total"] == 1 and after["peerd_sessions_open"] == 0
+        assert after["peerd_tokens_served_total"] >= 39 + len(PROMPT.split())
+        assert after["peerd_tokens_per_second"] > 0
+        assert after["peerd_peers_connected"] >= 1
+        assert api["peerd_generations_total"] == 1 and api["peerd_swarm_servers"] == 1
+        assert 'peerd_server_state{state="online"}' in after
+    finally:
+        swarm.stop()
+
+
+class _UnitProcess:
+    """The command line of a unit's ExecStart, run with the unit's environment (systemd's %S,
+    %C and %t directories stand in as temp directories), supervised by the test."""
+
+    def __init__(self, unit: str, workdir: Path) -> None:
+        env = dict(os.environ, HF_HUB_OFFLINE="1")
+        dirs = {"%S": workdir / "state", "%t": workdir / "run"}
+        for key, value in service_env(user=False).items():
+            for spec, path in dirs.items():
+                value = value.replace(spec, str(path))
+            # The model cache: the one this machine already converted (conversion is tested
+            # elsewhere and costs seconds).
+            env[key] = str(user_cache_dir()) if key == "PEERD_CACHE_DIR" else value
+        self.env = env
+        self.log = workdir / "unit.log"
+        self.output: list[str] = []
+        self.exited_after = -1.0
+        self.process = subprocess.Popen(
+            parse_exec_start(unit), stdout=subprocess.PIPE, stderr=open(self.log, "w"),  # noqa: SIM115
+            text=True, cwd=workdir, env=env,
+        )  # fmt: skip
+        self.ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.output.append(line.rstrip("\n"))
+            if line.startswith("listening on "):
+                self.ready.set()
+
+    def time_exit(self, since: float) -> None:
+        """Note how long after `since` the process exits (in exited_after)."""
+
+        def wait() -> None:
+            self.process.wait()
+            self.exited_after = time.perf_counter() - since
+
+        threading.Thread(target=wait, daemon=True).start()
+
+    def wait_ready(self, timeout: float = 180) -> str:
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.2):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"unit did not start:\n{self.log.read_text()[-3000:]}")
+        time.sleep(0.2)
+        return re.match(r"peerd \S+: peer (\S+)", self.output[0]).group(1)  # type: ignore[union-attr]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+async def test_sigterm_to_the_unit_moves_the_generation_to_the_other_server(
+    tmp_path: Path, local_model: Any, tokenizer: Any
+) -> None:
+    """The unit's daemon serves the middle span beside another server; SIGTERM mid-generation
+    drains it (deadline 1 s), the client finishes on the other server, the tokens equal local
+    greedy, and the daemon exits 0 (so Restart=on-failure leaves it stopped)."""
+    ids = tokenizer(PROMPT)["input_ids"]
+    reference = greedy_continuation(local_model, tokenizer, PROMPT, 40)
+    swarm = LocalSwarm(workdir=tmp_path)
+    unit_process: _UnitProcess | None = None
+    try:
+        swarm.start("a", "0:10")
+        other = swarm.start("b", "10:20")
+        swarm.start("c", "20:30")
+        start_args = (
+            "--blocks", "10:20", "--initial-peers", swarm.initial_peers[0],
+            "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--refresh-period", "2",
+            "--torch-threads", "1", "--throughput", "200", "--drain-timeout", "1",
+        )  # fmt: skip
+        unit = unit_text(ServiceSpec(start_args))
+        unit_process = _UnitProcess(unit, tmp_path)
+        unit_peer = await trio.to_thread.run_sync(unit_process.wait_ready)
+        state = tmp_path / "state" / "peerd"
+        assert (state / "identity.key").exists()  # identity under StateDirectory
+        assert (tmp_path / "run" / "peerd" / "peerd.sock").exists()  # socket under Runtime...
+        async with open_leech("default", swarm.initial_peers, refresh_period=2.0) as leech:
+            with trio.fail_after(30):
+                while unit_peer not in leech.swarm.records:
+                    await trio.sleep(0.2)
+            tokens: list[int] = []
+            middles: list[str] = []
+            signalled_at = 0.0
+            prompt = torch.tensor([ids])
+            async with InferenceSession(leech.swarm, max_length=len(ids) + 40) as session:
+                async for token in leech.generator.generate(prompt, 40, session=session):
+                    tokens.append(int(token[0, 0]))
+                    middles.append(next(h.peer_id for h in session.hops if h.hop.start == 10))
+                    if len(tokens) == 8:
+                        assert middles[-1] == unit_peer, "the unit's daemon was not on the route"
+                        unit_process.process.send_signal(signal.SIGTERM)
+                        signalled_at = time.perf_counter()
+                        unit_process.time_exit(signalled_at)
+                    elif signalled_at:
+                        await trio.sleep(0.1)  # a slow reader: the drain deadline passes
+        exit_code = await trio.to_thread.run_sync(lambda: unit_process.process.wait(60))
+        stopped_after = unit_process.exited_after
+        moved_at = middles.index(other.peer_id)
+        print(
+            f"SIGTERM at token 8; token {moved_at + 1} came from the other server; "
+            f"the unit's daemon exited {exit_code} {stopped_after:.1f} s after SIGTERM"
+        )
+        assert tokens == reference
+        assert middles[-1] == other.peer_id and moved_at > 8
+        assert exit_code == 0
+        assert not (tmp_path / "run" / "peerd" / "peerd.sock").exists()
+        # Expected conditions (a server drained, a peer went away) leave no tracebacks.
+        for log in [unit_process.log, *(d.log_path for d in swarm.daemons)]:
+            assert not _tracebacks(log), f"{log.name}:\n" + "\n".join(_tracebacks(log))
+    finally:
+        if unit_process is not None and unit_process.process.poll() is None:
+            unit_process.process.kill()
+        swarm.stop()
