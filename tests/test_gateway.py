@@ -49,6 +49,8 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 QUESTION = "What is the capital of France?"
+CACHE_TOKENS = 16384
+CACHE = ("--cache-tokens", str(CACHE_TOKENS))
 
 
 @dataclass
@@ -83,10 +85,10 @@ def gateway() -> Iterator[Gateway]:
     server: uvicorn.Server | None = None
     thread: threading.Thread | None = None
     try:
-        swarm.start("a", "0:10")
+        swarm.start("a", "0:10", *CACHE)
         with ThreadPoolExecutor(2) as pool:  # b and c only need a to join: start them together
             for started in [
-                pool.submit(swarm.start, n, b) for n, b in (("b", "10:20"), ("c", "20:30"))
+                pool.submit(swarm.start, n, b, *CACHE) for n, b in (("b", "10:20"), ("c", "20:30"))
             ]:
                 started.result()
         listener = socket.socket()
@@ -345,23 +347,25 @@ def _daemon_status(gateway: Gateway) -> tuple[int, dict[str, int]]:
     return status.tokens_served, {r.peer_id: r.free_cache_tokens for r in status.swarm}
 
 
-def _caches_held(gateway: Gateway, idle: dict[str, int]) -> bool:
-    return all(free < idle[peer] for peer, free in _daemon_status(gateway)[1].items())
+def _caches_held(gateway: Gateway) -> bool:
+    caches = _daemon_status(gateway)[1]
+    return len(caches) == 3 and all(free < CACHE_TOKENS for free in caches.values())
 
 
-def _caches_free(gateway: Gateway, idle: dict[str, int]) -> bool:
-    return _daemon_status(gateway)[1] == idle
+def _caches_free(gateway: Gateway) -> bool:
+    caches = _daemon_status(gateway)[1]
+    return len(caches) == 3 and all(free == CACHE_TOKENS for free in caches.values())
 
 
-def _assert_generation_stopped(gateway: Gateway, idle: dict[str, int]) -> None:
-    wait_until(lambda: _caches_free(gateway, idle), 15, "every server frees the session")
+def _assert_generation_stopped(gateway: Gateway) -> None:
+    wait_until(lambda: _caches_free(gateway), 15, "every server frees the session")
     served = _daemon_status(gateway)[0]
     time.sleep(1.0)
     assert _daemon_status(gateway)[0] == served, "blocks still run for a client that left"
 
 
 def test_disconnect_cancels_generation_and_frees_caches(gateway: Gateway) -> None:
-    idle = _daemon_status(gateway)[1]
+    wait_until(lambda: _caches_free(gateway), 15, "earlier tests' sessions are gone")
     request = {
         "messages": [{"role": "user", "content": "Write a very long story about the sea."}],
         "max_tokens": 1000,
@@ -374,9 +378,9 @@ def test_disconnect_cancels_generation_and_frees_caches(gateway: Gateway) -> Non
         for _ in range(3):
             next(line for line in events if line.startswith("data: {"))
         # Every server reserves prompt + 1000 tokens (seen once daemon a refreshes its view).
-        wait_until(lambda: _caches_held(gateway, idle), 15, "every server holds the session")
+        wait_until(lambda: _caches_held(gateway), 15, "every server holds the session")
     # The client is gone: the generation stops and every server frees the session's cache.
-    _assert_generation_stopped(gateway, idle)
+    _assert_generation_stopped(gateway)
 
     with ws_connect(gateway.ws_url) as ws:
         ws.send(json.dumps({"type": "open_inference_session", "max_length": 1000}))
@@ -384,8 +388,8 @@ def test_disconnect_cancels_generation_and_frees_caches(gateway: Gateway) -> Non
         story = {"inputs": "Tell a long story.", "chat": True, "max_new_tokens": 500}
         ws.send(json.dumps({"type": "generate", "stream": True, **story}))
         json.loads(ws.recv(timeout=60))
-        wait_until(lambda: _caches_held(gateway, idle), 15, "every server holds the session")
-    _assert_generation_stopped(gateway, idle)
+        wait_until(lambda: _caches_held(gateway), 15, "every server holds the session")
+    _assert_generation_stopped(gateway)
 
 
 def test_twenty_concurrent_websocket_sessions(gateway: Gateway) -> None:

@@ -94,7 +94,10 @@ async def read_fields(request: Request) -> dict[str, Any]:
             text = body.decode()
         except UnicodeDecodeError:
             raise GatewayError(400, "invalid_request", "the form is not UTF-8") from None
-        fields.update(parse_qsl(text, keep_blank_values=True, max_num_fields=64))
+        try:
+            fields.update(parse_qsl(text, keep_blank_values=True, max_num_fields=64))
+        except ValueError as e:
+            raise GatewayError(400, "invalid_request", f"bad form: {e}") from None
     return fields
 
 

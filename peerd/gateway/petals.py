@@ -11,7 +11,6 @@ socket open for the next request; outputs never include the stop sequence; v2 ta
 from __future__ import annotations
 
 import contextlib
-import logging
 from contextlib import aclosing
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -51,11 +50,11 @@ from wire.local_api import (
 )
 from wire.peer_protocol import MAX_MODEL_LEN, MAX_SESSION_TOKENS
 
-log = logging.getLogger(__name__)
-
 IDLE_TIMEOUT_S = 300.0
 """A v2 socket that sends nothing for this long is closed and its session freed (chat.petals.dev's
 STEP_TIMEOUT)."""
+
+DAEMON_GONE = frozenset({"connection_closed", "no_daemon"})
 
 MAX_QUEUED_REQUESTS = 8
 """v2 requests a client may send ahead of the answers."""
@@ -307,6 +306,8 @@ class _V2Session:
                 await self._generate(client, session_id, facts, validate(V2Generate, request))
             except GatewayError as e:
                 await self.send(error_body(e))
+                if e.code in DAEMON_GONE:
+                    return  # the session died with the daemon connection
 
     async def _prompt(self, facts: ModelFacts, request: V2Generate) -> tuple[list[int], int]:
         """The token ids to send (none for a chat turn: the daemon applies the template) and
