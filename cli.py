@@ -219,14 +219,27 @@ def chat(
 def status(
     socket: Path | None = SOCKET_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    watch: float | None = typer.Option(
+        None, min=0.1, help="Refresh every SECONDS until Ctrl-C (in place on a terminal)."
+    ),
+    count: int | None = typer.Option(None, min=1, help="With --watch: stop after N refreshes."),
 ) -> None:
     """What the local daemon serves and which servers of the swarm it sees."""
-    from peerd.terminal import format_status
+    from peerd.terminal import format_status, status_table, watch_status
 
+    if watch is not None and not as_json:
+        from peerd.client import Client
+
+        watch_status(lambda: Client(socket), watch, sys.stdout, count=count)
+        return
     with _client(socket) as client:
         reply = client.status()
     if as_json:
         typer.echo(json.dumps(reply.to_dict()))
+    elif sys.stdout.isatty():
+        from rich.console import Console
+
+        Console().print(status_table(reply))
     else:
         typer.echo(format_status(reply))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 import wire
@@ -124,3 +124,122 @@ def format_status(status: wire.StatusResponse) -> str:
             f"{info.throughput:>7.1f} {shown_rtt:>7} {link:<8} {info.free_cache_tokens}"
         )
     return "\n".join(lines)
+
+
+def status_table(status: wire.StatusResponse) -> Any:
+    """The same facts as format_status, as a rich renderable for a terminal: a coverage line
+    with unserved blocks in red, and one table row per server."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    head = Text(f"peer {status.peer_id} (peerd {status.version}, up {status.uptime_s:.0f} s)")
+    parts: list[Any] = [head]
+    if status.serving is not None:
+        s = status.serving
+        parts.append(
+            Text(
+                f"serving blocks {s.start}:{s.end} of {s.model} ({s.state}), "
+                f"{status.steps_served} steps, {status.tokens_served} tokens served"
+            )
+        )
+    if not status.swarm:
+        parts.append(Text("no servers known yet", style="yellow"))
+        return Group(*parts)
+    num_blocks = max(info.end for info in status.swarm)
+    counts = [0] * num_blocks
+    for info in status.swarm:
+        if info.state == "online":
+            for block in range(info.start, info.end):
+                counts[block] += 1
+    coverage = Text(f"{status.swarm[0].model}: servers per block ")
+    for n in counts:
+        coverage.append(str(min(n, 9)), style="bold red" if n == 0 else "green")
+    holes = [str(b) for b, n in enumerate(counts) if n == 0]
+    coverage.append(
+        f"  NOT SERVED: {', '.join(holes)}" if holes else "  every block is served",
+        style="bold red" if holes else "green",
+    )
+    parts.append(coverage)
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for name, justify in [("peer", "left"), ("span", "right"), ("state", "left"),
+                          ("tok/s", "right"), ("rtt ms", "right"), ("link", "left"),
+                          ("free cache", "right")]:  # fmt: skip
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    rtts = list(status.rtts) + [-1.0] * (len(status.swarm) - len(status.rtts))
+    state_style = {"online": "green", "joining": "yellow", "draining": "magenta"}
+    for info, rtt in sorted(zip(status.swarm, rtts, strict=True), key=lambda x: x[0].start):
+        table.add_row(
+            f"...{info.peer_id[-16:]}",
+            f"{info.start}:{info.end}",
+            Text(info.state, style=state_style.get(info.state, "")),
+            f"{info.throughput:.1f}",
+            f"{rtt * 1000:.1f}" if rtt >= 0 else "-",
+            "relayed" if info.relayed else "direct",
+            str(info.free_cache_tokens),
+        )
+    parts += [Text(""), table]
+    return Group(*parts)
+
+
+def watch_status(
+    connect: Callable[[], Client],
+    interval: float,
+    out: TextIO,
+    *,
+    count: int | None = None,
+    live: bool | None = None,
+) -> None:
+    """Show the daemon's status every `interval` seconds (`count` times, else until Ctrl-C): in
+    place on a terminal, as successive plain tables otherwise. A daemon that is not (yet)
+    running is shown as such and asked again at the next refresh."""
+    from rich.console import Console
+    from rich.live import Live
+    from rich.text import Text
+
+    from peerd.client import DaemonNotRunning, PeerdError
+
+    console = Console(file=out)
+    live = console.is_terminal if live is None else live
+    client: Client | None = None
+
+    def current() -> Any:
+        nonlocal client
+        try:
+            if client is None:
+                client = connect()
+            return client.status()
+        except (DaemonNotRunning, PeerdError, OSError) as e:
+            if client is not None:
+                client.close()
+            client = None
+            return e
+
+    def show(reply: Any) -> Any:
+        stamp = time.strftime("%H:%M:%S")
+        if isinstance(reply, Exception):
+            return Text(f"{stamp}  {reply} (asking again in {interval:g} s)", style="yellow")
+        return status_table(reply) if live else f"{stamp}\n{format_status(reply)}\n"
+
+    shown = 0
+    try:
+        if live:
+            with Live(show(current()), console=console, auto_refresh=False) as view:
+                shown = 1
+                while count is None or shown < count:
+                    time.sleep(interval)
+                    view.update(show(current()), refresh=True)
+                    shown += 1
+        else:
+            while count is None or shown < count:
+                if shown:
+                    time.sleep(interval)
+                reply = show(current())
+                out.write(reply if isinstance(reply, str) else f"{reply}\n")
+                out.flush()
+                shown += 1
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if client is not None:
+            client.close()

@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -207,6 +208,78 @@ async def test_metrics_endpoint_answers_get_only() -> None:
         nursery.cancel_scope.cancel()
 
 
+# --- peerd status --watch ----------------------------------------------------------------------
+
+
+def _status(states: tuple[str, ...]) -> Any:
+    import wire
+
+    swarm = tuple(
+        wire.ServerInfo(
+            peer_id=f"12D3KooWpeer{i}", model="smollm2", start=10 * i, end=10 * i + 10,
+            throughput=20.0, free_cache_tokens=1024, state=state, version="0.1.0",  # type: ignore[arg-type]
+        )
+        for i, state in enumerate(states)
+    )  # fmt: skip
+    return wire.StatusResponse(
+        peer_id="12D3KooWpeer0", version="0.1.0", uptime_s=12.0, serving=swarm[0],
+        swarm=swarm, rtts=(0.002, -1.0, 0.004)[: len(swarm)],
+    )  # fmt: skip
+
+
+def test_status_table_shows_coverage_and_servers() -> None:
+    import io
+
+    from rich.console import Console
+
+    from peerd.terminal import status_table
+
+    out = io.StringIO()
+    Console(file=out, width=120).print(status_table(_status(("online", "online", "online"))))
+    text = out.getvalue()
+    assert "every block is served" in text and "serving blocks 0:10" in text
+    assert text.count("direct") == 3 and "2.0" in text and "20:30" in text
+    out = io.StringIO()
+    Console(file=out, width=120).print(status_table(_status(("online", "draining", "online"))))
+    assert "NOT SERVED: 10, 11" in out.getvalue() and "draining" in out.getvalue()
+
+
+def test_status_watch_refreshes_and_survives_a_missing_daemon() -> None:
+    import io
+
+    from peerd.client import DaemonNotRunning
+    from peerd.terminal import watch_status
+
+    frames = [_status(("online",) * 3), _status(("online", "joining", "online"))]
+    replies = iter(frames)
+
+    class FakeClient:
+        def status(self) -> Any:
+            return next(replies)
+
+        def close(self) -> None:
+            pass
+
+    def connect() -> Any:
+        if not connected:  # the first refresh finds no daemon
+            connected.append(True)
+            raise DaemonNotRunning(Path("/nowhere.sock"), "no such file")
+        return FakeClient()
+
+    connected: list[bool] = []
+    out = io.StringIO()
+    watch_status(connect, 0.01, out, count=3, live=False)
+    text = out.getvalue()
+    assert text.index("no peerd daemon answers") < text.index("every block is served")
+    assert text.index("every block is served") < text.index("NOT SERVED: 10")
+    # In place (a terminal): the last frame is what stays on screen.
+    connected.clear()
+    replies = iter(frames)
+    out = io.StringIO()
+    watch_status(connect, 0.01, out, count=3, live=True)
+    assert "NOT SERVED: 10" in out.getvalue()
+
+
 # --- real daemons -------------------------------------------------------------------------------
 
 
@@ -272,6 +345,12 @@ def test_metrics_move_during_a_generation() -> None:
         assert after["peerd_peers_connected"] >= 1
         assert api["peerd_generations_total"] == 1 and api["peerd_swarm_servers"] == 1
         assert 'peerd_server_state{state="online"}' in after
+        watched = subprocess.run(
+            [sys.executable, "-m", "cli", "status", "--socket", str(server.socket),
+             "--watch", "0.2", "--count", "2"],
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout  # fmt: skip
+        assert watched.count("serving blocks 0:30") == 2 and "every block is served" in watched
     finally:
         swarm.stop()
 
