@@ -40,6 +40,10 @@ ROUTE_WAIT_S = 30.0
 MAX_HOP_FAILURES = 8
 
 
+class HopRefused(PeerGone):
+    """A live server answered our OpenSession with an error (busy, full, limits)."""
+
+
 class InferenceFailed(Exception):
     """The swarm could not finish a step: no server is left for some blocks, or too many failed."""
 
@@ -298,18 +302,27 @@ class InferenceSession:
 
     async def _open_hops(self, start: int, end: int) -> list[Hop]:
         """Plan [start, end) and open a session on each hop, re-planning around servers that
-        refuse or fail to open, until a route opens or no server is left."""
+        refuse or fail to open, until a route opens or no server is left.
+
+        A server that fails (unreachable, broken stream) is banned for everyone; one that is
+        alive but refuses (full cache, too many sessions from us) is only skipped by this
+        session for a moment: it is healthy for other clients and may have room soon."""
         deadline = trio.current_time() + ROUTE_WAIT_S
+        refused: set[str] = set()
         while True:
             try:
                 route = self.swarm.plan(
-                    start, end, min_free_cache_tokens=self.batch_size * self.max_length
+                    start,
+                    end,
+                    min_free_cache_tokens=self.batch_size * self.max_length,
+                    blocked_servers=refused,
                 )
             except NoRouteError as e:
                 if trio.current_time() > deadline:
                     raise InferenceFailed(str(e)) from e
+                refused.clear()  # try the busy ones again after a pause
                 await self.swarm.refresh()
-                await trio.sleep(0.2)
+                await trio.sleep(0.5)
                 continue
             opened: list[Hop] = []
             try:
@@ -319,7 +332,10 @@ class InferenceSession:
             except (PeerGone, wire.ProtocolError, OSError, Exception) as e:
                 bad = route[len(opened)].peer_id
                 log.warning("could not open a session on %s: %s", bad, e)
-                self.swarm.report_failure(bad)
+                if isinstance(e, HopRefused):
+                    refused.add(bad)
+                else:
+                    self.swarm.report_failure(bad)
                 with trio.CancelScope(shield=True):
                     for hop_session in opened:
                         await hop_session.close()
@@ -343,7 +359,7 @@ class InferenceSession:
             try:
                 return LocalHopSession(hop, local.open_local(request))
             except (BlocksError, wire.ProtocolError) as e:
-                raise PeerGone(f"our own server refused the session: {e}") from e
+                raise HopRefused(f"our own server refused the session: {e}") from e
         peer = ID.from_base58(hop.peer_id)
         with trio.fail_after(OPEN_TIMEOUT_S):
             raw = await self.swarm.node.host.new_stream(peer, [INFERENCE_PROTOCOL])
@@ -352,7 +368,7 @@ class InferenceSession:
         reply = await stream.receive(OPEN_TIMEOUT_S)
         if isinstance(reply, wire.Error):
             await stream.close()
-            raise PeerGone(f"{hop.peer_id} refused the session: {reply.message}")
+            raise HopRefused(f"{hop.peer_id} refused the session: {reply.message}")
         if not isinstance(reply, wire.SessionOpened):
             await stream.close()
             raise wire.ProtocolError(f"expected SessionOpened, got {type(reply).__name__}")

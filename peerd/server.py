@@ -45,7 +45,9 @@ class ServerLimits:
     max_frame_size: int = wire.DEFAULT_MAX_FRAME_SIZE
     max_batch_size: int = 8
     max_session_length: int = 8192
-    max_sessions_per_peer: int = 16
+    # A daemon opens one session per local client on every hop, so one peer may carry many
+    # users (a gateway, a shared daemon).
+    max_sessions_per_peer: int = 64
 
 
 @dataclass
