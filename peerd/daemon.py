@@ -359,7 +359,12 @@ def configure_logging(level: str) -> None:
     # speak) at ERROR with multi-line dumps; show them only when debugging.
     quiet = logging.WARNING if level.lower() == "debug" else logging.CRITICAL
     for name in ("libp2p", "multiaddr", "async_service", "anyio"):
-        logging.getLogger(name).setLevel(quiet)
+        logger = logging.getLogger(name)
+        logger.setLevel(quiet)
+        # py-libp2p turns propagation off at import (its lines then reach stderr unformatted,
+        # through Python's last-resort handler); through our root handler they get our format.
+        if not logger.handlers:
+            logger.propagate = True
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

@@ -280,6 +280,34 @@ def test_status_watch_refreshes_and_survives_a_missing_daemon() -> None:
     assert "NOT SERVED: 10" in out.getvalue()
 
 
+# --- logging ------------------------------------------------------------------------------------
+
+_LOG_PROBE = """
+import logging, sys
+from peerd.daemon import configure_logging
+for level in ("info", "debug"):
+    configure_logging(level)
+    print("== " + level, file=sys.stderr, flush=True)
+    logging.getLogger("libp2p.host.basic_host").error("Failed to open stream to X:\\n  Error: y")
+    logging.getLogger("peerd.swarm").info("servers left the swarm view: X")
+    logging.getLogger("peerd.swarm").debug("info from X failed")
+"""
+
+
+def test_log_lines_share_one_format_and_libp2p_speaks_only_when_debugging() -> None:
+    probe = subprocess.run(
+        [sys.executable, "-c", _LOG_PROBE], capture_output=True, text=True, timeout=120, check=True
+    )
+    _, info, debug = probe.stderr.split("== ")
+    stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) [\w.]+: "
+    for text in (info, debug):
+        lines = [x for x in text.splitlines()[1:] if not x.startswith("  ")]
+        assert lines and all(re.match(stamp, line) for line in lines), probe.stderr
+        assert "servers left the swarm view" in text
+    assert "libp2p.host.basic_host" not in info and "info from X failed" not in info
+    assert "ERROR libp2p.host.basic_host: Failed" in debug and "info from X failed" in debug
+
+
 # --- real daemons -------------------------------------------------------------------------------
 
 
