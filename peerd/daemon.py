@@ -358,13 +358,18 @@ def configure_logging(level: str) -> None:
     # py-libp2p logs expected conditions (a peer that went away, a protocol a client does not
     # speak) at ERROR with multi-line dumps; show them only when debugging.
     quiet = logging.WARNING if level.lower() == "debug" else logging.CRITICAL
-    for name in ("libp2p", "multiaddr", "async_service", "anyio"):
+    noisy = ("libp2p", "multiaddr", "async_service", "anyio")
+    for name in noisy:
         logger = logging.getLogger(name)
         logger.setLevel(quiet)
         # py-libp2p turns propagation off at import (its lines then reach stderr unformatted,
         # through Python's last-resort handler); through our root handler they get our format.
         if not logger.handlers:
             logger.propagate = True
+    # Some py-libp2p modules set their own logger's level (auto_connector: INFO), which beats
+    # the level above; the handler drops their lines below `quiet` as well.
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(lambda r: r.levelno >= quiet or r.name.split(".")[0] not in noisy)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

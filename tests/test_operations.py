@@ -284,11 +284,13 @@ def test_status_watch_refreshes_and_survives_a_missing_daemon() -> None:
 
 _LOG_PROBE = """
 import logging, sys
+import libp2p.network.auto_connector  # sets its own logger to INFO
 from peerd.daemon import configure_logging
 for level in ("info", "debug"):
     configure_logging(level)
     print("== " + level, file=sys.stderr, flush=True)
     logging.getLogger("libp2p.host.basic_host").error("Failed to open stream to X:\\n  Error: y")
+    logging.getLogger("libp2p.network.auto_connector").info("AUTO_CONNECTOR_STATE")
     logging.getLogger("peerd.swarm").info("servers left the swarm view: X")
     logging.getLogger("peerd.swarm").debug("info from X failed")
 """
@@ -305,6 +307,7 @@ def test_log_lines_share_one_format_and_libp2p_speaks_only_when_debugging() -> N
         assert lines and all(re.match(stamp, line) for line in lines), probe.stderr
         assert "servers left the swarm view" in text
     assert "libp2p.host.basic_host" not in info and "info from X failed" not in info
+    assert "AUTO_CONNECTOR" not in info + debug  # libp2p below warning: never
     assert "ERROR libp2p.host.basic_host: Failed" in debug and "info from X failed" in debug
 
 
