@@ -71,15 +71,22 @@ def start(
     metrics_port: int | None = typer.Option(
         None, min=0, max=65535, help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics."
     ),
+    mdns: bool = typer.Option(
+        False, "--mdns", help="Find and join peers on the LAN (no --initial-peers needed)."
+    ),
+    swarm_name: str = typer.Option(
+        "", "--swarm", help="Name of a private swarm: daemons of other swarms are never used."
+    ),
 ) -> None:
     """Serve blocks of a model to the swarm and route generations for local clients."""
     from peerd.daemon import DaemonConfig, DaemonError, configure_logging, run
     from peerd.p2p import BadMultiaddr
 
     configure_logging(log_level)
-    if not new_swarm and not initial_peers:
+    if not new_swarm and not initial_peers and not mdns:
         raise typer.BadParameter(
-            "give --initial-peers MULTIADDR to join a swarm, or --new-swarm to start one",
+            "give --initial-peers MULTIADDR to join a swarm, --new-swarm to start one, or --mdns "
+            "to find one on the LAN",
             param_hint="--initial-peers",
         )
     if new_swarm and initial_peers:
@@ -101,6 +108,8 @@ def start(
         socket=socket,
         drain_deadline=drain_timeout,
         metrics_port=metrics_port,
+        mdns=mdns,
+        swarm_name=swarm_name,
     )
     try:
         run(config)

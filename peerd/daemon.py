@@ -27,6 +27,7 @@ from peerd.p2p import (
     INFO_PROTOCOL,
     PUSH_PROTOCOL,
     Node,
+    join_discovered_peers,
     open_node,
     parse_peer_maddr,
     set_provider_record_ttl,
@@ -69,6 +70,8 @@ class DaemonConfig:
     socket: Path | None = None  # None: the per-user default (peerd.paths.default_socket_path)
     drain_deadline: float = DRAIN_DEADLINE_S  # SIGTERM: how long open sessions may go on
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:PORT (0: any)
+    mdns: bool = False  # find and join peers on the LAN
+    swarm_name: str = ""  # a private swarm: its DHT keys differ from every other swarm's
     limits: ServerLimits = field(default_factory=ServerLimits)
 
     def listen_addrs(self) -> list[str]:
@@ -140,7 +143,7 @@ class Daemon:
         key_pair = load_or_create_identity(identity_path)
         # Our records are re-provided every period; keep them a few periods, not 48 h.
         set_provider_record_ttl(3 * config.refresh_period)
-        async with open_node(key_pair, config.listen_addrs()) as node:
+        async with open_node(key_pair, config.listen_addrs(), mdns=config.mdns) as node:
             self.node = node
             self.swarm = SwarmView(
                 node,
@@ -148,10 +151,13 @@ class Daemon:
                 self.num_blocks,
                 refresh_period=config.refresh_period,
                 own_record=lambda: self.server.record() if self.server else None,
+                swarm_name=config.swarm_name,
             )
             for text in config.initial_peers:
                 await self._join(text)
             async with trio.open_nursery() as nursery:
+                if config.mdns:
+                    nursery.start_soon(join_discovered_peers, node)
                 await self.swarm.refresh()
                 if config.blocks is not None:
                     await self._start_serving(nursery)

@@ -87,10 +87,10 @@ def default_run_as() -> str | None:
 def check_start_args(args: tuple[str, ...]) -> None:
     """Refuse what `peerd start` would refuse at once, so the unit does not restart-loop."""
     joined = " ".join(args)
-    if "--new-swarm" not in args and "--initial-peers" not in joined:
+    if not {"--new-swarm", "--mdns"} & set(args) and "--initial-peers" not in joined:
         raise ServiceError(
             "the service needs to know its swarm: add `-- --initial-peers MULTIADDR` (or "
-            "`-- --new-swarm`) after `peerd service install`"
+            "`-- --new-swarm`, or `-- --mdns`) after `peerd service install`"
         )
 
 

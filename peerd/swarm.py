@@ -40,15 +40,21 @@ def _dht_key(text: str) -> str:
     return (_MULTIHASH_SHA256 + hashlib.sha256(text.encode()).digest()).hex()
 
 
-def model_key(model: str) -> str:
+def _prefix(swarm_name: str) -> str:
+    # The public swarm keeps the keys it always had; a private swarm's keys differ entirely, so
+    # daemons of other swarms sharing the DHT (on one LAN, through mDNS) never find its servers.
+    return f"peerd/{swarm_name}/" if swarm_name else "peerd/"
+
+
+def model_key(model: str, swarm_name: str = "") -> str:
     """The DHT provider key every server of `model` provides (hex of a sha2-256 multihash)."""
-    return _dht_key(f"peerd/{model}")
+    return _dht_key(f"{_prefix(swarm_name)}{model}")
 
 
-def block_key(model: str, block: int) -> str:
+def block_key(model: str, block: int, swarm_name: str = "") -> str:
     """The DHT provider key of one block: looked up only for blocks the model key did not cover
     (a DHT node keeps at most 20 providers per key, so big swarms need per-block keys)."""
-    return _dht_key(f"peerd/{model}/block/{block}")
+    return _dht_key(f"{_prefix(swarm_name)}{model}/block/{block}")
 
 
 class SwarmView:
@@ -62,8 +68,10 @@ class SwarmView:
         *,
         refresh_period: float,
         own_record: Callable[[], ServerRecord | None] = lambda: None,
+        swarm_name: str = "",
     ) -> None:
         self.node = node
+        self.swarm_name = swarm_name
         self.model = model
         self.num_blocks = num_blocks
         self.refresh_period = refresh_period
@@ -79,7 +87,9 @@ class SwarmView:
 
     async def announce(self, blocks: Iterable[int]) -> None:
         """Provide the model key and our blocks' keys in the DHT; called every refresh period."""
-        for key in [model_key(self.model), *(block_key(self.model, b) for b in blocks)]:
+        name = self.swarm_name
+        keys = [model_key(self.model, name), *(block_key(self.model, b, name) for b in blocks)]
+        for key in keys:
             try:
                 await self.node.dht.provide(key)
             except Exception as e:  # a DHT hiccup must not stop serving; retried next period
@@ -104,7 +114,7 @@ class SwarmView:
         """Peers the DHT lists for the model, and for each of `blocks` (not yet confirmed)."""
         own = self.own_record()
         found: dict[str, PeerInfo] = {}
-        for info in await self._providers(model_key(self.model), own is not None):
+        for info in await self._providers(model_key(self.model, self.swarm_name), own is not None):
             found.setdefault(info.peer_id.to_string(), info)
         # Look-ups of the same peers at once overload py-libp2p's stream negotiation; a few
         # at a time is as fast on a small swarm and kinder on a big one.
@@ -113,7 +123,8 @@ class SwarmView:
         async def look_up(block: int) -> None:
             async with limiter:
                 serving = own is not None and own.covers(block)
-                for info in await self._providers(block_key(self.model, block), serving):
+                key = block_key(self.model, block, self.swarm_name)
+                for info in await self._providers(key, serving):
                     found.setdefault(info.peer_id.to_string(), info)
 
         async with trio.open_nursery() as nursery:

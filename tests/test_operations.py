@@ -90,6 +90,7 @@ def test_exec_start_round_trips_odd_arguments() -> None:
 def test_unit_without_a_swarm_is_refused() -> None:
     with pytest.raises(ServiceError, match="--initial-peers"):
         unit_text(ServiceSpec(("--blocks", "auto")))
+    assert "--mdns" in unit_text(ServiceSpec(("--mdns", "--swarm", "lab")))  # finds it on the LAN
 
 
 def test_stop_timeout_follows_the_drain_deadline() -> None:
@@ -499,3 +500,54 @@ async def test_sigterm_to_the_unit_moves_the_generation_to_the_other_server(
         if unit_process is not None and unit_process.process.poll() is None:
             unit_process.process.kill()
         swarm.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_mdns_daemons_find_each_other_and_other_swarms_stay_apart(tmp_path: Path) -> None:
+    """Two daemons of swarm `lab` with --mdns and no initial peers serve a generation together;
+    a daemon of swarm `other` on the same LAN, serving the same blocks faster, is never used."""
+    from peerd.client import Client
+    from peerd.localswarm import DaemonProcess
+
+    tag = os.urandom(4).hex()  # other test runs on this LAN must not share our swarm names
+
+    def daemon(name: str, blocks: str, swarm: str, throughput: str) -> DaemonProcess:
+        args = ["--blocks", blocks, "--mdns", "--swarm", f"{swarm}-{tag}", "--refresh-period",
+                "2", "--torch-threads", "1", "--throughput", throughput]  # fmt: skip
+        files = {k: tmp_path / f"{name}.{ext}" for k, ext in
+                 [("identity", "key"), ("log_path", "log"), ("socket", "sock")]}  # fmt: skip
+        return DaemonProcess(name=name, args=args, **files)
+
+    daemons = [
+        daemon("other", "15:30", "other", "200"),
+        daemon("x", "0:15", "lab", "20"),
+        daemon("y", "15:30", "lab", "20"),
+    ]
+    try:
+        for d in daemons:
+            d.start()
+        started = time.perf_counter()  # y, the last, is up
+        other, x, y = daemons
+        with Client(x.socket) as client:
+            deadline = time.monotonic() + 60
+            while {s.peer_id for s in client.status().swarm} != {x.peer_id, y.peer_id}:
+                assert time.monotonic() < deadline, client.status().swarm
+                time.sleep(0.5)
+            found = time.perf_counter() - started
+            answer = client.generate_full(PROMPT, max_new_tokens=8)
+            seen = {s.peer_id for s in client.status().swarm}
+        with Client(y.socket) as client:
+            served = client.status().steps_served
+        with Client(other.socket) as client:
+            other_status = client.status()
+        print(f"x saw y {found:.1f} s after y was up (both found on the LAN by mDNS)")
+        assert len(answer.token_ids) == 8 and served > 0
+        assert other.peer_id not in seen
+        assert other_status.steps_served == 0
+        assert {s.peer_id for s in other_status.swarm} == {other.peer_id}
+        for d in daemons:
+            assert not _tracebacks(d.log_path), d.log_path.read_text()[-3000:]
+    finally:
+        for d in daemons:
+            d.kill()
