@@ -251,12 +251,18 @@ def install(spec: ServiceSpec, directory: Path | None = None, reload: bool = Tru
     unit = (directory or unit_dir(spec.user)) / f"{NAME}.service"
     env_file = spec.env_file or env_file_path(spec.user)
     text = unit_text(spec)
-    unit.parent.mkdir(parents=True, exist_ok=True)
-    unit.write_text(text)
-    if not env_file.exists():
-        env_file.parent.mkdir(parents=True, exist_ok=True)
-        env_file.write_text(env_text(spec))
-        env_file.chmod(0o600)
+    try:
+        unit.parent.mkdir(parents=True, exist_ok=True)
+        unit.write_text(text)
+        if not env_file.exists():
+            env_file.parent.mkdir(parents=True, exist_ok=True)
+            env_file.write_text(env_text(spec))
+            env_file.chmod(0o600)
+    except PermissionError as e:
+        raise ServiceError(
+            f"cannot write {e.filename}: install a system unit with sudo, or a unit of your "
+            "own with --user"
+        ) from None
     if reload:
         _systemctl(spec.user, "daemon-reload")
     hint = f"systemctl {'--user ' if spec.user else ''}enable --now {NAME}"

@@ -147,6 +147,9 @@ def test_install_and_uninstall(tmp_path: Path) -> None:
     result = runner.invoke(_app(), ["service", "uninstall", "--unit-dir", str(tmp_path)])
     assert result.exit_code == 0 and not (tmp_path / "peerd.service").exists()
     assert (tmp_path / "peerd.env").exists()  # the operator's settings stay
+    if os.geteuid() != 0:
+        denied = runner.invoke(_app(), ["service", "install", "--", "--new-swarm"])
+        assert denied.exit_code == 2 and "sudo" in denied.output
 
 
 def _app() -> Any:
