@@ -140,6 +140,9 @@ def daemon_metrics(daemon: Daemon, rate: TokenRate) -> list[Metric]:
         Metric("peerd_peers_connected", "gauge", "libp2p peers with an open connection.").add(
             len(node.host.get_connected_peers()) if node is not None else 0
         ),
+        Metric("peerd_peers_known", "gauge", "libp2p peers with addresses in the peerstore.").add(
+            len(node.host.get_peerstore().peers_with_addrs()) if node is not None else 0
+        ),
         Metric("peerd_swarm_servers", "gauge", "Servers of the model in this daemon's view.").add(
             len(daemon.swarm.records) if daemon.swarm is not None else 0
         ),
