@@ -361,6 +361,7 @@ class InferenceSession:
             except (BlocksError, wire.ProtocolError) as e:
                 raise HopRefused(f"our own server refused the session: {e}") from e
         peer = ID.from_base58(hop.peer_id)
+        self.swarm.node.remember(peer, hop.record.addrs)
         with trio.fail_after(OPEN_TIMEOUT_S):
             raw = await self.swarm.node.host.new_stream(peer, [INFERENCE_PROTOCOL])
         stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)

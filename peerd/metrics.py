@@ -146,9 +146,9 @@ def daemon_metrics(daemon: Daemon, rate: TokenRate) -> list[Metric]:
         Metric("peerd_swarm_servers", "gauge", "Servers of the model in this daemon's view.").add(
             len(daemon.swarm.records) if daemon.swarm is not None else 0
         ),
-        Metric(
-            "peerd_relayed_connections", "gauge", "Connections through a relay (none yet)."
-        ).add(0),
+        Metric("peerd_relayed_connections", "gauge", "Connections through a relay (none yet).").add(
+            0
+        ),
         Metric(
             "peerd_generations_total", "counter", "Generations the local API served (Generate)."
         ).add(api.generations if api is not None else 0),

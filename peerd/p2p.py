@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -147,6 +147,20 @@ class Node:
             text = str(addr)
             out.append(text if "/p2p/" in text else f"{text}/p2p/{pid}")
         return out
+
+    def remember(self, peer_id: ID, addrs: Iterable[str]) -> None:
+        """Put a peer's announced addresses (full multiaddrs, as in its record) in the
+        peerstore, so a stream to it can be opened even if the DHT never told us them."""
+        transports = []
+        for text in addrs:
+            try:
+                info = info_from_p2p_addr(multiaddr.Multiaddr(text))
+            except Exception:  # an address we cannot parse is one we cannot dial
+                continue
+            if info.peer_id == peer_id:
+                transports.extend(info.addrs)
+        if transports:
+            self.host.get_peerstore().add_addrs(peer_id, transports, 3600)
 
     async def connect(self, peer: PeerInfo) -> None:
         self.host.get_peerstore().add_addrs(peer.peer_id, peer.addrs, 3600)

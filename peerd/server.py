@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import multiaddr
 import torch
 import trio
 from libp2p.abc import INetStream
@@ -342,9 +341,7 @@ class BlockServer:
             if self.node is None:
                 raise PeerGone("this server has no host to push with")
             peer = ID.from_base58(target.peer_id)
-            addrs = [multiaddr.Multiaddr(a) for a in target.addrs]
-            if addrs:
-                self.node.host.get_peerstore().add_addrs(peer, addrs, 3600)
+            self.node.remember(peer, target.addrs)
             raw = await self.node.host.new_stream(peer, [PUSH_PROTOCOL])
             stream = MessageStream(raw, self.limits.max_frame_size)
             self._push_streams[target.peer_id] = stream
