@@ -188,7 +188,7 @@ def generate(
     )
     with _client(socket) as client:
         try:
-            stream_answer(client, prompt, sys.stdout, chat=chat, session=None, **vars(options))
+            stream_answer(client, prompt, sys.stdout, chat=chat, session=None, **options.options())
         except PeerdError as e:
             typer.echo(f"peerd: {e}", err=True)
             raise typer.Exit(1) from None
@@ -216,7 +216,9 @@ def chat(
     with _client(socket) as client:
         try:
             if prompt is not None:
-                stream_answer(client, prompt, sys.stdout, chat=True, session=None, **vars(options))
+                stream_answer(
+                    client, prompt, sys.stdout, chat=True, session=None, **options.options()
+                )
             else:
                 run_chat(client, options)
         except PeerdError as e:

@@ -59,6 +59,20 @@ class GenerateOptions:
     seed: int | None = None
     stop: tuple[str, ...] = ()
 
+    def options(self) -> dict[str, Any]:
+        """Keyword arguments for generate/stream_tokens. Sampling settings are dropped for
+        greedy decoding, so a caller's temperature=0 ("greedy") is not an error."""
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "do_sample": self.do_sample,
+            "temperature": self.temperature if self.do_sample else 1.0,
+            "top_k": self.top_k if self.do_sample else None,
+            "top_p": self.top_p if self.do_sample else None,
+            "repetition_penalty": self.repetition_penalty,
+            "seed": self.seed,
+            "stop": tuple(self.stop),
+        }
+
 
 @dataclass
 class Generation:

@@ -78,12 +78,22 @@ def run_chat(
             out.write(f"unknown command {text}; {HELP}\n")
             continue
         tokens, seconds, reason = stream_answer(
-            client, text, out, chat=True, session=session, **vars(options)
+            client, text, out, chat=True, session=session, **options.options()
         )
         stopped = " (stopped)" if reason == "cancelled" else ""
         out.write(f"[{tokens} tokens, {tokens / max(seconds, 1e-9):.1f} tokens/s{stopped}]\n")
         out.flush()
     client.close_session(session)
+
+
+def servers_per_block(status: wire.StatusResponse) -> list[int]:
+    """How many online servers hold each block the daemon has seen."""
+    counts = [0] * max((info.end for info in status.swarm), default=0)
+    for info in status.swarm:
+        if info.state == "online":
+            for block in range(info.start, info.end):
+                counts[block] += 1
+    return counts
 
 
 def format_status(status: wire.StatusResponse) -> str:
@@ -99,12 +109,8 @@ def format_status(status: wire.StatusResponse) -> str:
         lines.append("no servers known yet")
         return "\n".join(lines)
     model = status.swarm[0].model
-    num_blocks = max(info.end for info in status.swarm)
-    counts = [0] * num_blocks
-    for info in status.swarm:
-        if info.state == "online":
-            for block in range(info.start, info.end):
-                counts[block] += 1
+    counts = servers_per_block(status)
+    num_blocks = len(counts)
     holes = [str(b) for b, n in enumerate(counts) if n == 0]
     lines.append(
         f"{model}: {num_blocks} blocks seen, servers per block "
@@ -146,12 +152,7 @@ def status_table(status: wire.StatusResponse) -> Any:
     if not status.swarm:
         parts.append(Text("no servers known yet", style="yellow"))
         return Group(*parts)
-    num_blocks = max(info.end for info in status.swarm)
-    counts = [0] * num_blocks
-    for info in status.swarm:
-        if info.state == "online":
-            for block in range(info.start, info.end):
-                counts[block] += 1
+    counts = servers_per_block(status)
     coverage = Text(f"{status.swarm[0].model}: servers per block ")
     for n in counts:
         coverage.append(str(min(n, 9)), style="bold red" if n == 0 else "green")

@@ -18,6 +18,11 @@ from peerd.localswarm import LocalSwarm
 def swarm() -> Iterator[LocalSwarm]:
     """Daemons a, b, c serving 0:10, 10:20, 20:30. Tests must not stop or restart them (a test
     that needs to kill servers starts its own LocalSwarm)."""
+    yield from three_servers_of_ten()
+
+
+def three_servers_of_ten() -> Iterator[LocalSwarm]:
+    """A fresh LocalSwarm of daemons a, b, c on 0:10, 10:20, 20:30, stopped afterwards."""
     local = LocalSwarm()
     try:
         local.start("a", "0:10")

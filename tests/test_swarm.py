@@ -18,7 +18,7 @@ from peerd.leech import open_leech
 from peerd.localswarm import LocalSwarm
 from peerd.p2p import INFERENCE_PROTOCOL
 from peerd.streams import MessageStream
-from tests.conftest import greedy_continuation
+from tests.conftest import greedy_continuation, three_servers_of_ten
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -34,14 +34,8 @@ def reference(local_model: Any, tokenizer: Any) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def three_servers() -> Iterator[LocalSwarm]:
-    swarm = LocalSwarm()
-    try:
-        swarm.start("a", "0:10")
-        swarm.start("b", "10:20")
-        swarm.start("c", "20:30")
-        yield swarm
-    finally:
-        swarm.stop()
+    """This module's own swarm: its tests kill and restart servers."""
+    yield from three_servers_of_ten()
 
 
 async def _generate(leech, ids: list[int], n: int, on_token=None) -> list[int]:  # type: ignore[no-untyped-def]

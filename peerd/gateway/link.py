@@ -17,7 +17,7 @@ from typing import Any, cast
 import anyio
 
 import wire
-from peerd.client import AsyncClient, PeerdError
+from peerd.client import AsyncClient, GenerateOptions, PeerdError
 from peerd.server import ServerLimits, info_to_record
 from routing.planner import NoRouteError
 from routing.records import SwarmSnapshot, contiguous_ranges
@@ -68,30 +68,8 @@ def daemon_error(error: PeerdError) -> GatewayError:
     return GatewayError(_DAEMON_STATUS.get(error.code, 500), code, str(error))
 
 
-@dataclass(frozen=True)
-class Sampling:
-    """How to pick tokens and when to stop (the daemon's wire.Generate fields)."""
-
-    max_new_tokens: int
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-
-    def options(self) -> dict[str, Any]:
-        return {
-            "max_new_tokens": self.max_new_tokens,
-            "do_sample": self.do_sample,
-            "temperature": self.temperature if self.do_sample else 1.0,
-            "top_k": self.top_k if self.do_sample else None,
-            "top_p": self.top_p if self.do_sample else None,
-            "repetition_penalty": self.repetition_penalty,
-            "seed": self.seed,
-            "stop": self.stop,
-        }
+# How to pick tokens and when to stop: the client library's options, one definition for all.
+Sampling = GenerateOptions
 
 
 @dataclass(frozen=True)
