@@ -203,6 +203,11 @@ class InferenceSession:
         remote = all(isinstance(hop, HopSession) for hop in self.hops)
         if self.push and rewind is None and remote and len(self.hops) > 1:
             i, hidden = await self._push_step(hidden)
+            if i < len(self.hops):
+                # The chain broke. A server past the break may still have got the push (its
+                # pusher died after sending): starting the relayed step at our position rolls
+                # such a cache back instead of appending the tokens twice.
+                rewind = self.position
         # Client-relayed: each remaining hop in turn (all of them without push, or from where a
         # push chain broke).
         while i < len(self.hops):
@@ -278,14 +283,24 @@ class InferenceSession:
         with trio.CancelScope(shield=True):
             await failed.close()
         start, end = failed.hop.start, failed.hop.end
-        new_hops = await self._open_hops(start, end)
         history = self._inputs.get(start)
-        if history is not None:
-            hidden = history
-            for hop in new_hops:
-                if hop.hop.start != start:
-                    self._inputs[hop.hop.start] = hidden
-                hidden = await hop.step(hidden, self.codec)
+        while True:
+            new_hops = await self._open_hops(start, end)
+            try:
+                await self._replay(new_hops, start, history)
+                break
+            except (PeerGone, wire.ProtocolError) as e:
+                # A replacement died while rebuilding its cache: ban it and try others.
+                self.failures += 1
+                for hop in new_hops:
+                    self.swarm.report_failure(hop.peer_id)
+                with trio.CancelScope(shield=True):
+                    for hop in new_hops:
+                        await hop.close()
+                if self.failures > MAX_HOP_FAILURES:
+                    raise InferenceFailed(
+                        f"replacements for blocks {start}:{end} failed: {e}"
+                    ) from e
         self.hops[index : index + 1] = new_hops
         self.recoveries.append(
             {
@@ -296,6 +311,21 @@ class InferenceSession:
                 "seconds": time.perf_counter() - started,
             }
         )
+
+    async def _replay(self, hops: list[Hop], start: int, history: torch.Tensor | None) -> None:
+        """Rebuild the caches of fresh hops over blocks from `start` by running the remembered
+        inputs through them, remembering the inputs of any new block boundary on the way."""
+        if history is None:
+            return
+        hidden = history
+        for hop in hops:
+            if hop.hop.start != start:
+                self._inputs[hop.hop.start] = hidden
+            try:
+                hidden = await hop.step(hidden, self.codec)
+            except (PeerGone, wire.ProtocolError):
+                self.swarm.report_failure(hop.peer_id)
+                raise
 
     async def _open_route(self, start: int, end: int) -> None:
         self.hops = await self._open_hops(start, end)
