@@ -15,6 +15,7 @@ from peerd.generation import Generator
 from peerd.p2p import Node, open_node, parse_peer_maddr
 from peerd.swarm import SwarmView
 from routing.planner import NoRouteError, plan_route
+from routing.records import SwarmSnapshot
 
 
 @dataclass
@@ -25,9 +26,10 @@ class Leech:
     generator: Generator
 
 
-def covered(snapshot: object) -> bool:
+def covered(snapshot: SwarmSnapshot) -> bool:
+    """Whether some route runs every block of the model now."""
     try:
-        plan_route(snapshot)  # type: ignore[arg-type]
+        plan_route(snapshot)
     except NoRouteError:
         return False
     return True
