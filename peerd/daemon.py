@@ -126,7 +126,6 @@ class Daemon:
         self.node: Node | None = None
         self.swarm: SwarmView | None = None
         self.server: BlockServer | None = None
-        self.started = trio.Event()
         self.started_at = time.time()
         self.metrics_port: int | None = None  # the bound port, once serving metrics
         self._generator: Generator | None = None
@@ -167,7 +166,6 @@ class Daemon:
                 if config.metrics_port is not None:
                     await self._serve_metrics(nursery, config.metrics_port)
                 self._print_banner(socket_path)
-                self.started.set()
                 nursery.start_soon(self._handle_signals, nursery.cancel_scope)
 
     async def _serve_metrics(self, nursery: trio.Nursery, port: int) -> None:

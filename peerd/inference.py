@@ -164,7 +164,6 @@ class InferenceSession:
         self.position = 0
         self._rewind_to: int | None = None
         self.failures = 0
-        self.recoveries: list[dict[str, object]] = []
 
     async def __aenter__(self) -> InferenceSession:
         await self._open_route(0, self.swarm.num_blocks)
@@ -302,14 +301,14 @@ class InferenceSession:
                         f"replacements for blocks {start}:{end} failed: {e}"
                     ) from e
         self.hops[index : index + 1] = new_hops
-        self.recoveries.append(
-            {
-                "failed_peer": failed.peer_id,
-                "blocks": (start, end),
-                "replacement": [h.peer_id for h in new_hops],
-                "replayed_tokens": 0 if history is None else int(history.shape[1]),
-                "seconds": time.perf_counter() - started,
-            }
+        log.info(
+            "blocks %d:%d moved from %s to %s: %d tokens replayed in %.2f s",
+            start,
+            end,
+            failed.peer_id,
+            ", ".join(h.peer_id for h in new_hops),
+            0 if history is None else int(history.shape[1]),
+            time.perf_counter() - started,
         )
 
     async def _replay(self, hops: list[Hop], start: int, history: torch.Tensor | None) -> None:

@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 
 INFO_PROTOCOL = TProtocol("/peerd/info/1.0.0")
 INFERENCE_PROTOCOL = TProtocol("/peerd/inference/1.0.0")
-FORWARD_PROTOCOL = TProtocol("/peerd/forward/1.0.0")
 PUSH_PROTOCOL = TProtocol("/peerd/push/1.0.0")
 
 

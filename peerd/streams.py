@@ -33,8 +33,6 @@ class MessageStream:
         self.max_frame_size = max_frame_size
         self._decoder = MessageDecoder(max_frame_size=max_frame_size)
         self._send_lock = trio.Lock()  # frames from two tasks must not interleave
-        self.bytes_sent = 0
-        self.bytes_received = 0
 
     @property
     def remote_peer(self) -> str:
@@ -48,7 +46,6 @@ class MessageStream:
                 await self.stream.write(data)  # type: ignore[arg-type]  # any bytes-like works
         except (StreamError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             raise PeerGone(f"cannot send to {self.remote_peer}: {e or type(e).__name__}") from e
-        self.bytes_sent += len(data)
 
     async def receive(self, timeout: float) -> Message:
         """The next message; PeerGone if the stream ends or nothing arrives within `timeout`;
@@ -66,7 +63,6 @@ class MessageStream:
                     ) from e
                 if not data:
                     raise PeerGone(f"{self.remote_peer} closed the stream")
-                self.bytes_received += len(data)
                 self._decoder.receive_data(data)
         raise Idle(f"{self.remote_peer} sent nothing for {timeout:.0f} s")
 
@@ -80,7 +76,3 @@ class MessageStream:
         # Closing a dead stream can fail in many ways; there is nothing left to do then.
         with trio.move_on_after(1), contextlib.suppress(Exception):
             await self.stream.close()
-
-    async def reset(self) -> None:
-        with trio.move_on_after(1), contextlib.suppress(Exception):
-            await self.stream.reset()
