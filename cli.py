@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -120,14 +122,23 @@ def start(
         pass
 
 
-def _client(socket: Path | None) -> Any:
-    from peerd.client import Client, DaemonNotRunning
+@contextmanager
+def _client(socket: Path | None) -> Iterator[Any]:
+    """A connection to the local daemon; what the daemon refuses becomes a message and exit 1,
+    no daemon at all exit 2 (with how to start one)."""
+    from peerd.client import Client, DaemonNotRunning, PeerdError
 
     try:
-        return Client(socket)
+        client = Client(socket)
     except DaemonNotRunning as e:
         typer.echo(f"peerd: {e}", err=True)
         raise typer.Exit(2) from None
+    with client:
+        try:
+            yield client
+        except PeerdError as e:
+            typer.echo(f"peerd: {e}", err=True)
+            raise typer.Exit(1) from None
 
 
 def _options(
@@ -180,18 +191,13 @@ def generate(
     stop: list[str] = STOP,
 ) -> None:
     """Generate text once through the local daemon, streaming it to stdout."""
-    from peerd.client import PeerdError
     from peerd.terminal import stream_answer
 
     options = _options(
         max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, seed, stop
     )
     with _client(socket) as client:
-        try:
-            stream_answer(client, prompt, sys.stdout, chat=chat, session=None, **options.options())
-        except PeerdError as e:
-            typer.echo(f"peerd: {e}", err=True)
-            raise typer.Exit(1) from None
+        stream_answer(client, prompt, sys.stdout, chat=chat, session=None, **options.options())
 
 
 @app.command()
@@ -207,23 +213,16 @@ def chat(
     seed: int | None = SEED,
 ) -> None:
     """Chat with the model at the terminal (one conversation, servers keep its cache)."""
-    from peerd.client import PeerdError
     from peerd.terminal import run_chat, stream_answer
 
     options = _options(
         max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, seed, []
     )
     with _client(socket) as client:
-        try:
-            if prompt is not None:
-                stream_answer(
-                    client, prompt, sys.stdout, chat=True, session=None, **options.options()
-                )
-            else:
-                run_chat(client, options)
-        except PeerdError as e:
-            typer.echo(f"peerd: {e}", err=True)
-            raise typer.Exit(1) from None
+        if prompt is not None:
+            stream_answer(client, prompt, sys.stdout, chat=True, session=None, **options.options())
+        else:
+            run_chat(client, options)
 
 
 @app.command()
