@@ -12,11 +12,14 @@ from blocks.errors import (
     UnsupportedModelError,
 )
 from blocks.families import FAMILIES, Family, family_of
+from blocks.lora import AdapterError, AdapterInfo, adapter_name, read_adapter
 from blocks.span import Span, load_span
 from blocks.throughput import Throughput, measure_throughput
 
 __all__ = [
     "FAMILIES",
+    "AdapterError",
+    "AdapterInfo",
     "BlocksError",
     "CacheFull",
     "ClientSide",
@@ -28,11 +31,13 @@ __all__ = [
     "SpanSession",
     "Throughput",
     "UnsupportedModelError",
+    "adapter_name",
     "family_of",
     "load_client_side",
     "load_config",
     "load_span",
     "measure_throughput",
     "model_name",
+    "read_adapter",
     "resolve_checkpoint",
 ]

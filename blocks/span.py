@@ -3,6 +3,7 @@ per-session KV cache (inference) or without one (training-style full passes, aut
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -12,6 +13,7 @@ from transformers import PretrainedConfig
 from blocks.cache import KVCache, SpanSession
 from blocks.checkpoint import CheckpointTensors, load_config, model_name, resolve_checkpoint
 from blocks.families import Family, family_of, prepare_config
+from blocks.lora import AdapterError, AdapterInfo, attach_adapter, read_adapter, use_adapter
 
 # Prompts longer than this go through the span in pieces, so activation memory stays bounded.
 PREFILL_CHUNK_TOKENS = 512
@@ -26,6 +28,7 @@ class Span(nn.Module):
         layers: list[nn.Module],
         rotary: nn.Module | None,
         model: str,
+        adapters: tuple[str, ...] = (),
     ) -> None:
         super().__init__()
         self.config = config
@@ -36,6 +39,7 @@ class Span(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.rotary = rotary
         self.chunk_tokens = PREFILL_CHUNK_TOKENS
+        self.adapters = adapters  # LoRA adapters a forward may name (blocks.lora)
 
     @property
     def num_blocks(self) -> int:
@@ -68,17 +72,38 @@ class Span(nn.Module):
                 f"blocks {start}:{end} are not within this span {self.start}:{self.end}"
             )
         layers = list(self.layers)[start - self.start : end - self.start]
-        return Span(self.config, self.family, start, layers, self.rotary, self.model)
+        return Span(self.config, self.family, start, layers, self.rotary, self.model, self.adapters)
+
+    def add_adapter(self, adapter: AdapterInfo) -> None:
+        """Load the LoRA matrices of this span's blocks from `adapter` and offer it by name."""
+        if adapter.name in self.adapters:
+            raise AdapterError(f"this span already has an adapter named {adapter.name!r}")
+        attach_adapter(list(self.layers), self.start, adapter, self.family)
+        self.adapters = (*self.adapters, adapter.name)
 
     def forward(
-        self, hidden_states: torch.Tensor, session: SpanSession | None = None
+        self,
+        hidden_states: torch.Tensor,
+        session: SpanSession | None = None,
+        adapter: str | None = None,
     ) -> torch.Tensor:
         """hidden_states [batch, tokens, hidden] -> the same after this span's blocks.
 
         With a session, the tokens continue its sequence at session.position and their keys and
         values are cached (inference mode, in chunks of chunk_tokens); without one they are a
         whole sequence from position 0, in one piece, and gradients flow back to hidden_states.
+        `adapter` names a LoRA adapter of this span to apply (a session must keep to one).
         """
+        if adapter is not None and adapter not in self.adapters:
+            offered = ", ".join(self.adapters) or "none"
+            raise AdapterError(
+                f"this span has no adapter {adapter!r} (it has: {offered}); load it with "
+                "`peerd start --adapters DIR`"
+            )
+        with use_adapter(adapter):
+            return self._forward(hidden_states, session)
+
+    def _forward(self, hidden_states: torch.Tensor, session: SpanSession | None) -> torch.Tensor:
         hidden_states = hidden_states.to(device=self.device, dtype=self.dtype)
         if session is None:
             return self._run_blocks(hidden_states, None, past_length=0)
@@ -127,11 +152,13 @@ def load_span(
     end: int,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    adapters: Sequence[str | Path | AdapterInfo] = (),
 ) -> Span:
     """Blocks start..end-1 of `checkpoint` ("default" or a directory), reading only their tensors.
 
     Layers are built on the meta device and take the tensors read from safetensors as they are
-    (assign=True), so memory grows by the span's weights and nothing else.
+    (assign=True), so memory grows by the span's weights and nothing else. `adapters` are PEFT
+    LoRA directories (or their read_adapter infos): only their matrices for these blocks load.
     """
     path = resolve_checkpoint(checkpoint)
     config = load_config(path)
@@ -158,6 +185,10 @@ def load_span(
     if rotary is not None:
         rotary = rotary.to(device)
     span = Span(config, family, start, layers, rotary, model_name(path))
+    for adapter in adapters:
+        if not isinstance(adapter, AdapterInfo):
+            adapter = read_adapter(adapter, config, family)
+        span.add_adapter(adapter)
     span.eval()  # no dropout
     # Servers never train the weights; gradients still reach the input hidden states.
     span.requires_grad_(False)
