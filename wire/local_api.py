@@ -14,6 +14,7 @@ from typing import Literal
 import torch
 
 from wire.peer_protocol import (
+    MAX_ADAPTER_NAME_LEN,
     MAX_BATCH_SIZE,
     MAX_ID_LEN,
     MAX_MODEL_LEN,
@@ -65,6 +66,9 @@ class Generate(Message):
     session_id: str | None = spec(default=None, min_len=1, max_len=MAX_ID_LEN)
     """Continue this open inference session (OpenInference) instead of starting afresh: the
     servers' caches already hold the conversation, so only the new tokens travel."""
+    active_adapter: str | None = spec(default=None, min_len=1, max_len=MAX_ADAPTER_NAME_LEN)
+    """Generate with this LoRA adapter: routed only through servers that list it. With
+    session_id, the session's own adapter applies and this must be unset or name the same."""
 
     def check(self) -> None:
         if (self.prompt is None) == (self.input_ids is None):
@@ -96,6 +100,8 @@ class OpenInference(Message):
 
     max_length: int = spec(ge=1, le=MAX_SESSION_TOKENS)
     batch_size: int = spec(default=1, ge=1, le=MAX_BATCH_SIZE)
+    active_adapter: str | None = spec(default=None, min_len=1, max_len=MAX_ADAPTER_NAME_LEN)
+    """Run the session's blocks with this LoRA adapter, only on servers that list it."""
 
 
 @message("inference_opened")

@@ -41,6 +41,9 @@ MAX_ADDRS = 32
 MAX_ADAPTERS = 64
 """Adapters one server offers."""
 
+MAX_ADAPTER_NAME_LEN = 256
+"""An adapter's name (its directory's name)."""
+
 MAX_BLOCKS = 4096
 """Upper bound on a block index; the deepest open models have ~130 transformer blocks."""
 
@@ -84,7 +87,9 @@ class ServerInfo(_Span):
     version: str = spec(min_len=1, max_len=64)  # peerd software version, e.g. "0.1.0"
     addrs: tuple[str, ...] = spec(default=(), max_items=MAX_ADDRS, min_len=1, max_len=MAX_ADDR_LEN)
     relayed: bool = False
-    adapters: tuple[str, ...] = spec(default=(), max_items=MAX_ADAPTERS, min_len=1, max_len=256)
+    adapters: tuple[str, ...] = spec(
+        default=(), max_items=MAX_ADAPTERS, min_len=1, max_len=MAX_ADAPTER_NAME_LEN
+    )
     """Names of the adapters (e.g. LoRA) the server can apply on top of its blocks."""
 
 
@@ -123,6 +128,9 @@ class OpenSession(_Span, Message):
     """Default push route for this session's steps (a Step's own next_hops override it)."""
     reply_compression: CompressionName = "raw"
     """How the server encodes the tensors it sends in this session (results and pushes)."""
+    active_adapter: str | None = spec(default=None, min_len=1, max_len=MAX_ADAPTER_NAME_LEN)
+    """Run every step of the session with this LoRA adapter (one the server's record lists);
+    a server without it refuses the session with `adapter_not_found`."""
 
 
 @message("session_opened")
@@ -211,6 +219,7 @@ class ErrorCode:
     BUSY = "busy"  # overloaded: retry elsewhere or later
     CANCELLED = "cancelled"
     INTERNAL = "internal"  # a bug on the answering side
+    ADAPTER_NOT_FOUND = "adapter_not_found"  # no server (or not this one) has the adapter named
 
 
 @message("error")
