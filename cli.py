@@ -79,6 +79,9 @@ def start(
     swarm_name: str = typer.Option(
         "", "--swarm", help="Name of a private swarm: daemons of other swarms are never used."
     ),
+    adapters: list[Path] = typer.Option(
+        [], "--adapters", help="PEFT LoRA adapter dir to serve, known by its name (repeatable)."
+    ),
 ) -> None:
     """Serve blocks of a model to the swarm and route generations for local clients."""
     from peerd.daemon import DaemonConfig, DaemonError, configure_logging, run
@@ -112,6 +115,7 @@ def start(
         metrics_port=metrics_port,
         mdns=mdns,
         swarm_name=swarm_name,
+        adapters=list(adapters),
     )
     try:
         run(config)
@@ -150,6 +154,7 @@ def _options(
     repetition_penalty: float,
     seed: int | None,
     stop: list[str],
+    adapter: str | None = None,
 ) -> Any:
     from peerd.client import GenerateOptions
 
@@ -162,6 +167,7 @@ def _options(
         repetition_penalty=repetition_penalty,
         seed=seed,
         stop=tuple(stop),
+        active_adapter=adapter,
     )
 
 
@@ -174,6 +180,9 @@ TOP_P = typer.Option(None, min=0.0, max=1.0, help="Nucleus sampling mass.")
 REPETITION_PENALTY = typer.Option(1.0, min=0.0, help="Penalty for repeated tokens (>1).")
 SEED = typer.Option(None, min=0, help="Seed for reproducible sampling.")
 STOP = typer.Option([], "--stop", help="Stop sequence (repeatable).")
+ADAPTER = typer.Option(
+    None, "--adapter", help="LoRA adapter to generate with (`peerd status` lists them)."
+)
 
 
 @app.command()
@@ -189,12 +198,21 @@ def generate(
     repetition_penalty: float = REPETITION_PENALTY,
     seed: int | None = SEED,
     stop: list[str] = STOP,
+    adapter: str | None = ADAPTER,
 ) -> None:
     """Generate text once through the local daemon, streaming it to stdout."""
     from peerd.terminal import stream_answer
 
     options = _options(
-        max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, seed, stop
+        max_new_tokens,
+        do_sample,
+        temperature,
+        top_k,
+        top_p,
+        repetition_penalty,
+        seed,
+        stop,
+        adapter,
     )
     with _client(socket) as client:
         stream_answer(client, prompt, sys.stdout, chat=chat, session=None, **options.options())
@@ -211,12 +229,13 @@ def chat(
     top_p: float | None = TOP_P,
     repetition_penalty: float = REPETITION_PENALTY,
     seed: int | None = SEED,
+    adapter: str | None = ADAPTER,
 ) -> None:
     """Chat with the model at the terminal (one conversation, servers keep its cache)."""
     from peerd.terminal import run_chat, stream_answer
 
     options = _options(
-        max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, seed, []
+        max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, seed, [], adapter
     )
     with _client(socket) as client:
         if prompt is not None:

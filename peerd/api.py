@@ -27,7 +27,7 @@ import trio
 import wire
 from peerd import __version__
 from peerd.generation import Generator, SamplingParams
-from peerd.inference import InferenceFailed, InferenceSession
+from peerd.inference import AdapterUnavailable, InferenceFailed, InferenceSession
 from peerd.server import record_to_info
 from routing.planner import NoRouteError
 
@@ -195,6 +195,8 @@ class _Connection:
                 await self.error(e.code, str(e))
             except NoRouteError as e:
                 await self.error("no_route", str(e))
+            except AdapterUnavailable as e:
+                await self.error(wire.ErrorCode.ADAPTER_NOT_FOUND, str(e))
             except InferenceFailed as e:
                 await self.error("inference_failed", str(e))
             except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -229,7 +231,10 @@ class _Connection:
     async def _open_inference(self, request: wire.OpenInference) -> None:
         generator: Generator = await self.api._get_generator()
         inference = InferenceSession(
-            generator.swarm, max_length=request.max_length, batch_size=request.batch_size
+            generator.swarm,
+            max_length=request.max_length,
+            batch_size=request.batch_size,
+            adapter=request.active_adapter,
         )
         await inference.__aenter__()
         session_id = uuid.uuid4().hex
@@ -279,6 +284,12 @@ class _Connection:
         except ValueError as e:
             raise ApiError("bad_request", str(e)) from e
         session = self._session(request.session_id) if request.session_id else None
+        if session is not None and request.active_adapter not in (None, session.inference.adapter):
+            raise ApiError(
+                "bad_request",
+                f"session {request.session_id} runs with adapter {session.inference.adapter!r}, "
+                f"not {request.active_adapter!r}: open another session for that adapter",
+            )
         new_ids = self._prompt_ids(tokenizer, request, session)
         if session is not None:
             room = session.inference.max_length - session.inference.position
@@ -301,6 +312,7 @@ class _Connection:
                 params,
                 session=session.inference if session else None,
                 eos_token_ids=eos,
+                adapter=request.active_adapter,
             )
             async for token in stream:
                 token_id = int(token[0, 0])

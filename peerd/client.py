@@ -58,6 +58,7 @@ class GenerateOptions:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    active_adapter: str | None = None  # a LoRA adapter the servers apply (None: the base model)
 
     def options(self) -> dict[str, Any]:
         """Keyword arguments for generate/stream_tokens. Sampling settings are dropped for
@@ -71,6 +72,7 @@ class GenerateOptions:
             "repetition_penalty": self.repetition_penalty,
             "seed": self.seed,
             "stop": tuple(self.stop),
+            "active_adapter": self.active_adapter,
         }
 
 
@@ -114,6 +116,18 @@ def _generate_request(
             stop=tuple(options.stop),
             chat=chat,
             session_id=session_id,
+            active_adapter=options.active_adapter,
+        )
+    except (ValueError, TypeError) as e:
+        raise PeerdError("bad_request", str(e)) from e
+
+
+def _open_request(
+    max_length: int, batch_size: int, active_adapter: str | None
+) -> wire.OpenInference:
+    try:
+        return wire.OpenInference(
+            max_length=max_length, batch_size=batch_size, active_adapter=active_adapter
         )
     except (ValueError, TypeError) as e:
         raise PeerdError("bad_request", str(e)) from e
@@ -245,9 +259,13 @@ class Client:
 
     # --- inference sessions -----------------------------------------------------------------
 
-    def open_session(self, max_length: int, batch_size: int = 1) -> str:
+    def open_session(
+        self, max_length: int, batch_size: int = 1, active_adapter: str | None = None
+    ) -> str:
+        """A session through the swarm (with LoRA `active_adapter` on every hop when given);
+        `last_route` lists its hops."""
         opened = self._request(
-            wire.OpenInference(max_length=max_length, batch_size=batch_size), wire.InferenceOpened
+            _open_request(max_length, batch_size, active_adapter), wire.InferenceOpened
         )
         self.last_route: tuple[str, ...] = opened.route
         return str(opened.session_id)
@@ -368,9 +386,11 @@ class AsyncClient:
             if isinstance(message, wire.GeneratedToken) and message.text:
                 yield message.text
 
-    async def open_session(self, max_length: int, batch_size: int = 1) -> str:
+    async def open_session(
+        self, max_length: int, batch_size: int = 1, active_adapter: str | None = None
+    ) -> str:
         opened = await self._request(
-            wire.OpenInference(max_length=max_length, batch_size=batch_size), wire.InferenceOpened
+            _open_request(max_length, batch_size, active_adapter), wire.InferenceOpened
         )
         return str(opened.session_id)
 

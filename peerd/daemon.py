@@ -72,6 +72,7 @@ class DaemonConfig:
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:PORT (0: any)
     mdns: bool = False  # find and join peers on the LAN
     swarm_name: str = ""  # a private swarm: its DHT keys differ from every other swarm's
+    adapters: list[Path] = field(default_factory=list)  # PEFT LoRA directories to serve
     limits: ServerLimits = field(default_factory=ServerLimits)
 
     def listen_addrs(self) -> list[str]:
@@ -133,6 +134,26 @@ class Daemon:
         self._generator_lock = trio.Lock()
         if config.blocks is not None:
             self.blocks_spec = parse_blocks(config.blocks, self.num_blocks)
+        self.adapters = self._read_adapters(config.adapters)
+
+    def _read_adapters(self, paths: list[Path]) -> list[blocks.AdapterInfo]:
+        """Check every --adapters directory against the model now, before joining the swarm."""
+        if paths and self.config.blocks is None:
+            raise DaemonError("--adapters needs --blocks: only a server applies adapters")
+        family = blocks.family_of(self.model_config)
+        adapters: list[blocks.AdapterInfo] = []
+        for path in paths:
+            try:
+                adapter = blocks.read_adapter(path, self.model_config, family)
+            except blocks.AdapterError as e:
+                raise DaemonError(f"--adapters {path}: {e}") from None
+            if any(a.name == adapter.name for a in adapters):
+                raise DaemonError(
+                    f"--adapters: two adapter directories are named {adapter.name!r}; an adapter "
+                    "is known by its directory's name, so rename one"
+                )
+            adapters.append(adapter)
+        return adapters
 
     async def run(self) -> None:
         config = self.config
@@ -207,6 +228,7 @@ class Daemon:
             limits=config.limits,
             record_ttl=2 * config.refresh_period,
             node=self.node,
+            adapters=tuple(a.name for a in self.adapters),
         )
         self.server = server
         self.swarm.local_server = server
@@ -222,7 +244,7 @@ class Daemon:
     async def _load_and_go_online(self, start: int, end: int) -> None:
         assert self.server is not None
         span = await trio.to_thread.run_sync(
-            blocks.load_span, self.checkpoint, start, end, torch.float32, "cpu"
+            blocks.load_span, self.checkpoint, start, end, torch.float32, "cpu", self.adapters
         )
         cache = blocks.MemoryCache(budget_tokens=self.config.cache_tokens)
         throughput = await self._throughput(span)
@@ -315,6 +337,8 @@ class Daemon:
         lines = [f"peerd {__version__}: peer {self.node.peer_id.to_string()}"]
         if self.server is not None:
             lines.append(f"serving blocks {self.server.start}:{self.server.end} of {self.model}")
+            if self.server.adapters:
+                lines.append(f"adapters {', '.join(self.server.adapters)}")
         lines.append(f"local API socket {socket_path}")
         if self.metrics_port is not None:
             lines.append(f"metrics on http://127.0.0.1:{self.metrics_port}/metrics")

@@ -126,11 +126,13 @@ class Generator:
         *,
         session: InferenceSession | None = None,
         eos_token_ids: Sequence[int] = (),
+        adapter: str | None = None,
     ) -> AsyncIterator[torch.Tensor]:
         """Yield [batch, 1] token ids one step at a time (stops early when every row hit EOS).
 
         With `session`, the prompt continues that session's sequence (a new chat turn);
-        otherwise a session sized for prompt + max_new_tokens is opened and closed here.
+        otherwise a session sized for prompt + max_new_tokens is opened and closed here, with
+        LoRA `adapter` on every hop when given.
         """
         params = params or SamplingParams()
         generator = torch.Generator()
@@ -141,6 +143,7 @@ class Generator:
                 self.swarm,
                 max_length=input_ids.shape[1] + max_new_tokens,
                 batch_size=input_ids.shape[0],
+                adapter=adapter,
             ) as own:
                 async for token in self._decode(
                     own, input_ids, max_new_tokens, params, generator, eos_token_ids

@@ -48,6 +48,10 @@ class InferenceFailed(Exception):
     """The swarm could not finish a step: no server is left for some blocks, or too many failed."""
 
 
+class AdapterUnavailable(InferenceFailed):
+    """No server in the swarm offers the LoRA adapter a session asked for."""
+
+
 @dataclass
 class HopSession:
     """An open session on one server for blocks [start, end)."""
@@ -151,8 +155,10 @@ class InferenceSession:
         batch_size: int = 1,
         codec: CompressionName = "raw",
         push: bool = True,
+        adapter: str | None = None,
     ) -> None:
         self.swarm = swarm
+        self.adapter = adapter  # a LoRA adapter every hop applies (only servers listing it)
         self.push = push
         self._push_ids = itertools.count(1 << 40)  # apart from each hop's own step ids
         self.max_length = max_length
@@ -166,8 +172,25 @@ class InferenceSession:
         self.failures = 0
 
     async def __aenter__(self) -> InferenceSession:
+        if self.adapter is not None:
+            await self._check_adapter_offered(self.adapter)
         await self._open_route(0, self.swarm.num_blocks)
         return self
+
+    async def _check_adapter_offered(self, adapter: str) -> None:
+        """Fail at once, not after ROUTE_WAIT_S, when no server in the swarm has the adapter."""
+        for attempt in range(2):
+            offered = {name for r in self.swarm.snapshot().records for name in r.adapters}
+            if adapter in offered:
+                return
+            if attempt == 0:
+                await self.swarm.refresh()
+        listed = ", ".join(sorted(offered)) or "none"
+        raise AdapterUnavailable(
+            f"no server of {self.swarm.model} offers adapter {adapter!r} (adapters in the swarm: "
+            f"{listed}); start servers with `peerd start --adapters DIR` where DIR's name is "
+            f"{adapter!r}"
+        )
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
@@ -345,6 +368,7 @@ class InferenceSession:
                     end,
                     min_free_cache_tokens=self.batch_size * self.max_length,
                     blocked_servers=refused,
+                    adapter=self.adapter,
                 )
             except NoRouteError as e:
                 if trio.current_time() > deadline:
@@ -382,6 +406,7 @@ class InferenceSession:
             max_length=self.max_length,
             batch_size=self.batch_size,
             reply_compression=self.codec,
+            active_adapter=self.adapter,
         )
         local = self.swarm.local_server
         if local is not None and hop.peer_id == local.peer_id:

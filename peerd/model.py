@@ -96,9 +96,17 @@ class RemoteSession(Cache):
     tokens, and `output_ids`, the token ids of the sequence so far when known (it may end with one
     token sampled but not yet fed, as `generate` leaves it). Use as a context manager."""
 
-    def __init__(self, daemon: DaemonConnection, *, max_length: int, batch_size: int = 1) -> None:
+    def __init__(
+        self,
+        daemon: DaemonConnection,
+        *,
+        max_length: int,
+        batch_size: int = 1,
+        adapter: str | None = None,
+    ) -> None:
         super().__init__(layers=[])
         self.daemon = daemon
+        self.adapter = adapter  # the LoRA adapter every server of the session applies
         self.max_length = max_length
         self._batch_size = batch_size
         self.session_id: str | None = None
@@ -107,7 +115,7 @@ class RemoteSession(Cache):
 
     def __enter__(self) -> RemoteSession:
         with self.daemon.request() as client:
-            self.session_id = client.open_session(self.max_length, self._batch_size)
+            self.session_id = client.open_session(self.max_length, self._batch_size, self.adapter)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -232,10 +240,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         client_side: blocks.ClientSide,
         daemon: DaemonConnection,
         generation_config: GenerationConfig | None = None,
+        active_adapter: str | None = None,
     ) -> None:
         super().__init__(config)
         self.client_side = client_side
         self.daemon = daemon
+        # The LoRA adapter sessions opened from now on run with (None: the base model); set it
+        # to switch, as with peft's set_adapter. Servers without it are not routed through.
+        self.active_adapter = active_adapter
         self.active_session: RemoteSession | None = None
         if generation_config is not None:
             self.generation_config = generation_config
@@ -250,10 +262,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         timeout: float = DEFAULT_TIMEOUT_S,
+        active_adapter: str | None = None,
     ) -> DistributedModelForCausalLM:
         """The model served by the daemon on `socket` (default: $PEERD_SOCKET, else the per-user
         socket), with embeddings, final norm and LM head loaded from the local checkpoint
-        `model` ("default" or a directory): never its blocks.
+        `model` ("default" or a directory): never its blocks. With `active_adapter`, every
+        session runs with that LoRA adapter, only through servers that have it.
 
         Raises peerd.client.DaemonNotRunning when no daemon answers, and ModelMismatch when the
         daemon runs another model than `model`.
@@ -275,7 +289,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         generation_config = None
         if (checkpoint / "generation_config.json").is_file():
             generation_config = GenerationConfig.from_pretrained(checkpoint, local_files_only=True)
-        return cls(client_side.config, client_side, daemon, generation_config)
+        return cls(client_side.config, client_side, daemon, generation_config, active_adapter)
 
     def _init_weights(self, module: torch.nn.Module) -> None:
         """Nothing to initialise: every local weight comes from the checkpoint."""
@@ -308,7 +322,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         each call only the tokens to add (or none); it returns the whole sequence so far."""
         if self.active_session is not None:
             raise RuntimeError("an inference session is already active on this model")
-        with RemoteSession(self.daemon, max_length=max_length, batch_size=batch_size) as session:
+        with RemoteSession(
+            self.daemon, max_length=max_length, batch_size=batch_size, adapter=self.active_adapter
+        ) as session:
             self.active_session = session
             try:
                 yield session
@@ -369,7 +385,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             hidden_out = cache.step(to_send, input_ids)
         else:
             with RemoteSession(
-                self.daemon, max_length=to_send.shape[1], batch_size=to_send.shape[0]
+                self.daemon,
+                max_length=to_send.shape[1],
+                batch_size=to_send.shape[0],
+                adapter=self.active_adapter,
             ) as own:
                 hidden_out = own.step(to_send, input_ids)
         last_hidden = self.client_side.final_norm(hidden_out.to(weight.device, weight.dtype))
@@ -425,7 +444,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         prompt = _prompt_length(inputs, kwargs)
         rows = _batch_size(inputs, kwargs) * (config.num_return_sequences or 1)
         length = prompt + self._new_tokens(config, generation_config, kwargs, prompt)
-        with RemoteSession(self.daemon, max_length=max(length, 1), batch_size=rows) as own:
+        with RemoteSession(
+            self.daemon, max_length=max(length, 1), batch_size=rows, adapter=self.active_adapter
+        ) as own:
             return self._generate_in(own, inputs, generation_config, config, kwargs)
 
     def _generate_in(

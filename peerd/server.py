@@ -37,6 +37,10 @@ OPEN_TIMEOUT_S = 10.0
 PUSH_TIMEOUT_S = 5.0
 
 
+class AdapterMissing(wire.ProtocolError):
+    """A session asked for a LoRA adapter this server does not have (Error adapter_not_found)."""
+
+
 @dataclass(frozen=True)
 class ServerLimits:
     """What one request may ask of this server; checked before any allocation."""
@@ -101,8 +105,10 @@ class BlockServer:
         limits: ServerLimits | None = None,
         record_ttl: float = math.inf,
         node: Node | None = None,
+        adapters: tuple[str, ...] = (),
     ) -> None:
         self.model = model
+        self.adapters = adapters  # LoRA adapters the span is loaded with (named in the record)
         self._start, self._end = start, end
         self.compute = compute
         self.peer_id = peer_id
@@ -154,6 +160,7 @@ class BlockServer:
             version=__version__,
             addrs=tuple(self.addrs()),
             relayed=False,
+            adapters=self.adapters,
             updated_at=now,
             expires_at=now + self.record_ttl,
         )
@@ -186,7 +193,12 @@ class BlockServer:
         peer = messages.remote_peer
         try:
             request = await messages.receive_as(wire.OpenSession, OPEN_TIMEOUT_S)
-            self._check_open(request, peer)
+            try:
+                self._check_open(request, peer)
+            except AdapterMissing as e:
+                self.counters.sessions_refused += 1
+                await self._refuse(messages, wire.ErrorCode.ADAPTER_NOT_FOUND, str(e))
+                return
             assert self.cache is not None  # _check_open refuses sessions until we are online
             try:
                 session = self.cache.open_session(request.batch_size, request.max_length)
@@ -234,6 +246,13 @@ class BlockServer:
             )
         if self.state is not ServerState.ONLINE:
             raise wire.ProtocolError(f"this server is {self.state.value} and takes no new sessions")
+        adapter = request.active_adapter
+        if adapter is not None and adapter not in self.adapters:
+            offered = ", ".join(self.adapters) or "none"
+            raise AdapterMissing(
+                f"this server has no adapter {adapter!r} for blocks {self.start}:{self.end} (it "
+                f"has: {offered}); route through servers whose record lists it"
+            )
         if request.batch_size > self.limits.max_batch_size:
             raise wire.ProtocolError(
                 f"batch_size {request.batch_size} exceeds this server's limit of "
@@ -360,7 +379,9 @@ class BlockServer:
         if message.start_position is not None:
             session.rollback(message.start_position)
         span = self._span_for(request.start, request.end)
-        output = await self.compute.run(PRIORITY_INFERENCE, self._forward, span, hidden, session)
+        output = await self.compute.run(
+            PRIORITY_INFERENCE, self._forward, span, hidden, session, request.active_adapter
+        )
         self.counters.steps += 1
         self.counters.tokens_processed += hidden.shape[0] * hidden.shape[1]
         return output
@@ -410,9 +431,11 @@ class BlockServer:
         return self._subspans[(start, end)]
 
     @staticmethod
-    def _forward(span: Span, hidden: torch.Tensor, session: SpanSession) -> torch.Tensor:
+    def _forward(
+        span: Span, hidden: torch.Tensor, session: SpanSession, adapter: str | None
+    ) -> torch.Tensor:
         with torch.inference_mode():
-            return span.forward(hidden, session)
+            return span.forward(hidden, session, adapter)
 
     async def _refuse(self, messages: MessageStream, code: str, text: str) -> None:
         self.counters.error(code)

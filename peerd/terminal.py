@@ -44,7 +44,7 @@ def run_chat(
     out: TextIO = sys.stdout,
 ) -> None:
     """An interactive chat in one inference session: every turn reuses the servers' caches."""
-    session = client.open_session(CHAT_MAX_LENGTH)
+    session = client.open_session(CHAT_MAX_LENGTH, active_adapter=options.active_adapter)
     route = client.last_route
     out.write(f"peerd chat with {client.welcome.model} through {len(route)} servers. {HELP}\n")
     out.flush()
@@ -67,7 +67,7 @@ def run_chat(
             break
         if text == "/reset":
             client.close_session(session)
-            session = client.open_session(CHAT_MAX_LENGTH)
+            session = client.open_session(CHAT_MAX_LENGTH, active_adapter=options.active_adapter)
             route = client.last_route
             out.write("(new conversation)\n")
             continue
@@ -105,6 +105,8 @@ def format_status(status: wire.StatusResponse) -> str:
             f"serving blocks {s.start}:{s.end} of {s.model} ({s.state}), "
             f"{status.steps_served} steps, {status.tokens_served} tokens served"
         )
+        if s.adapters:
+            lines.append(f"adapters: {', '.join(s.adapters)}")
     if not status.swarm:
         lines.append("no servers known yet")
         return "\n".join(lines)
@@ -118,7 +120,8 @@ def format_status(status: wire.StatusResponse) -> str:
         + (f"; NOT SERVED: {', '.join(holes)}" if holes else "; every block is served")
     )
     header = (
-        f"{'peer':<20} {'span':>7} {'state':<8} {'tok/s':>7} {'rtt ms':>7} {'link':<8} free cache"
+        f"{'peer':<20} {'span':>7} {'state':<8} {'tok/s':>7} {'rtt ms':>7} {'link':<8} "
+        f"{'free cache':>10} adapters"
     )
     lines += ["", header]
     rtts = list(status.rtts) + [-1.0] * (len(status.swarm) - len(status.rtts))
@@ -127,7 +130,8 @@ def format_status(status: wire.StatusResponse) -> str:
         shown_rtt = f"{rtt * 1000:.1f}" if rtt >= 0 else "-"
         lines.append(
             f"...{info.peer_id[-16:]:<17} {info.start:>3}:{info.end:<3} {info.state:<8} "
-            f"{info.throughput:>7.1f} {shown_rtt:>7} {link:<8} {info.free_cache_tokens}"
+            f"{info.throughput:>7.1f} {shown_rtt:>7} {link:<8} {info.free_cache_tokens:>10} "
+            f"{','.join(info.adapters) or '-'}"
         )
     return "\n".join(lines)
 
@@ -149,6 +153,8 @@ def status_table(status: wire.StatusResponse) -> Any:
                 f"{status.steps_served} steps, {status.tokens_served} tokens served"
             )
         )
+        if s.adapters:
+            parts.append(Text(f"adapters: {', '.join(s.adapters)}"))
     if not status.swarm:
         parts.append(Text("no servers known yet", style="yellow"))
         return Group(*parts)
@@ -165,7 +171,7 @@ def status_table(status: wire.StatusResponse) -> Any:
     table = Table(box=None, pad_edge=False, header_style="bold")
     for name, justify in [("peer", "left"), ("span", "right"), ("state", "left"),
                           ("tok/s", "right"), ("rtt ms", "right"), ("link", "left"),
-                          ("free cache", "right")]:  # fmt: skip
+                          ("free cache", "right"), ("adapters", "left")]:  # fmt: skip
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     rtts = list(status.rtts) + [-1.0] * (len(status.swarm) - len(status.rtts))
     state_style = {"online": "green", "joining": "yellow", "draining": "magenta"}
@@ -178,6 +184,7 @@ def status_table(status: wire.StatusResponse) -> Any:
             f"{rtt * 1000:.1f}" if rtt >= 0 else "-",
             "relayed" if info.relayed else "direct",
             str(info.free_cache_tokens),
+            ", ".join(info.adapters) or "-",
         )
     parts += [Text(""), table]
     return Group(*parts)

@@ -89,6 +89,10 @@ class NoRouteError(LookupError):
         reasons = Counter(self.skipped.values())
         why = ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items()))
         peers = "1 peer holds" if len(self.skipped) == 1 else f"{len(self.skipped)} peers hold"
+        if any(reason.startswith("without adapter") for reason in reasons):
+            commands = " and ".join(
+                f"`peerd start --blocks {a}:{b} --adapters DIR`" for a, b in self.missing
+            )
         return (
             f"no usable peer serves {blocks} of {self.model} ({peers} them but "
             f"{'is' if len(self.skipped) == 1 else 'are'} skipped: {why}): try again shortly, "
@@ -149,13 +153,15 @@ def plan_route(
     mode: Mode = "inference",
     rng: random.Random | None = None,
     default_rtt_s: float = DEFAULT_RTT_S,
+    adapter: str | None = None,
 ) -> Route:
     """Hops that together run exactly blocks [start, end) (end defaults to the last block).
 
     Only online servers are used, and none that is banned (a `BanList` is asked at `now`; a
     plain collection bans its peers outright), in `blocked_servers`, outside `allowed_servers`
     when that is given, or whose record expired by `now`. In inference mode a server also needs
-    `min_free_cache_tokens` of free cache. `rng` drives training mode's random choice.
+    `min_free_cache_tokens` of free cache. With `adapter`, only servers whose record lists that
+    adapter are used. `rng` drives training mode's random choice.
 
     Raises NoRouteError when some block has no usable server, ValueError on bad arguments.
     """
@@ -184,6 +190,7 @@ def plan_route(
             allowed=allowed_servers,
             blocked=blocked_servers,
             min_free_cache_tokens=min_free_cache_tokens if mode == "inference" else 0,
+            adapter=adapter,
         )
         if reason is None:
             usable.append(record)
@@ -231,6 +238,7 @@ def replan_from(
     mode: Mode = "inference",
     rng: random.Random | None = None,
     default_rtt_s: float = DEFAULT_RTT_S,
+    adapter: str | None = None,
 ) -> Route:
     """`route` with every hop on `failed_peer` replaced by hops over the same blocks.
 
@@ -261,6 +269,7 @@ def replan_from(
                 mode=mode,
                 rng=rng,
                 default_rtt_s=default_rtt_s,
+                adapter=adapter,
             )
         )
     return tuple(new_route)
@@ -274,10 +283,13 @@ def _skip_reason(
     allowed: Collection[str] | None,
     blocked: Collection[str],
     min_free_cache_tokens: int,
+    adapter: str | None = None,
 ) -> str | None:
     """Why a route must not use `record`'s server, in words for NoRouteError; None if usable."""
     if record.state not in ROUTABLE_STATES:
         return record.state.value
+    if adapter is not None and adapter not in record.adapters:
+        return f"without adapter {adapter}"
     if now is not None and record.is_expired(now):
         return "expired"
     if record.peer_id in blocked:
