@@ -295,6 +295,29 @@ def test_replan_replaces_the_failed_hop_with_several() -> None:
     assert new[0] is route[0] and new[-1] is route[-1]
 
 
+def test_an_adapter_route_uses_only_servers_that_list_it() -> None:
+    snap = make_snapshot(
+        30,
+        make_record("fast", 0, 30, throughput=1000.0),  # the plain route's choice
+        make_record("a", 0, 12, adapters=("shout", "calm")),
+        make_record("b", 12, 30, adapters=("shout",)),
+        make_record("c", 10, 30, throughput=500.0, adapters=("calm",)),
+    )
+    assert spans(plan_route(snap)) == [("fast", 0, 30)]
+    assert spans(plan_route(snap, adapter="shout")) == [("a", 0, 12), ("b", 12, 30)]
+    assert spans(plan_route(snap, adapter="calm")) == [("a", 0, 10), ("c", 10, 30)]
+    for mode in ("inference", "training"):
+        route = plan_route(snap, adapter="shout", mode=mode, rng=random.Random(1))
+        assert all("shout" in hop.record.adapters for hop in route)
+    route = plan_route(snap, adapter="shout")
+    with pytest.raises(NoRouteError) as e:
+        replan_from(snap, route, "b", adapter="shout")
+    assert e.value.missing == ((12, 30),)
+    assert "without adapter shout" in str(e.value) and "--adapters DIR" in str(e.value)
+    with pytest.raises(NoRouteError, match="3 without adapter other"):
+        plan_route(snap.without("fast"), adapter="other")
+
+
 def test_replan_fails_clearly_when_nobody_else_holds_the_blocks() -> None:
     snap = make_snapshot(30, make_record("a", 0, 10), make_record("b", 10, 30))
     route = plan_route(snap)
