@@ -55,6 +55,7 @@ _DAEMON_STATUS = {
     "bad_request": 400,
     "out_of_cache": 400,
     "unsupported": 404,
+    "adapter_not_found": 404,
     "no_route": 503,
     "inference_failed": 503,
     "busy": 503,
