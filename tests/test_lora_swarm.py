@@ -13,11 +13,16 @@ from typing import Any
 
 import pytest
 import torch
+from libp2p.peer.id import ID
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 import blocks
+import wire
 from peerd.client import Client, PeerdError
+from peerd.leech import open_leech
 from peerd.localswarm import ROOT, LocalSwarm
+from peerd.p2p import INFERENCE_PROTOCOL
+from peerd.streams import MessageStream
 
 peft = pytest.importorskip("peft")
 
@@ -25,6 +30,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 ADAPTER = "shout"
 NEW_TOKENS = 12
+PROMPT = [1, 520, 3400, 28, 253, 1234, 77]
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +62,16 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     torch.manual_seed(1)
     model = peft.get_peft_model(base, lora).eval()
     model.save_pretrained(root / ADAPTER)
-    return {"checkpoint": root / "tiny-llama", "adapter": root / ADAPTER, "peft": model,
-            "eos": tokenizer.eos_token_id}  # fmt: skip
+    # One thread: on a loaded 2-core machine two spinning OpenMP threads make each forward of
+    # this tiny model take seconds instead of milliseconds.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        eos = tokenizer.eos_token_id
+        want = {adapter: local_greedy(model, PROMPT, eos, adapter) for adapter in (True, False)}
+    finally:
+        torch.set_num_threads(threads)
+    return {"checkpoint": root / "tiny-llama", "adapter": root / ADAPTER, "want": want}
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +110,6 @@ def local_greedy(model: Any, ids: list[int], eos: int, adapter: bool) -> list[in
     return new
 
 
-PROMPT = [1, 520, 3400, 28, 253, 1234, 77]
-
-
 def test_greedy_output_through_the_swarm_equals_local_peft(
     swarm: LocalSwarm, made: dict[str, Any]
 ) -> None:
@@ -107,9 +118,9 @@ def test_greedy_output_through_the_swarm_equals_local_peft(
             input_ids=PROMPT, max_new_tokens=NEW_TOKENS, active_adapter=ADAPTER
         )
         plain = client.generate_full(input_ids=PROMPT, max_new_tokens=NEW_TOKENS)
-    want = local_greedy(made["peft"], PROMPT, made["eos"], adapter=True)
+    want = made["want"][True]
     assert adapted.token_ids == want
-    assert plain.token_ids == local_greedy(made["peft"], PROMPT, made["eos"], adapter=False)
+    assert plain.token_ids == made["want"][False]
     assert adapted.token_ids != plain.token_ids, "the adapter must change the greedy output"
 
     # The transformers-compatible model, with the adapter chosen at from_pretrained.
@@ -135,11 +146,42 @@ def test_routes_with_the_adapter_avoid_the_server_without_it(swarm: LocalSwarm) 
             session = client.open_session(32, active_adapter=ADAPTER)
             peers = {hop.split("[")[0] for hop in client.last_route}
             assert peers == {a.peer_id, b.peer_id}, client.last_route
-            client.close_session(session)
         client.open_session(32)
         assert [hop.split("[")[0] for hop in client.last_route] == [c.peer_id]
+        # A session keeps the adapter it was opened with.
+        with pytest.raises(PeerdError, match="runs with adapter 'shout', not 'calm'") as e:
+            client.generate(input_ids=PROMPT, session=session, active_adapter="calm")
+        assert e.value.code == "bad_request"
     with Client(a.socket) as client:
         assert client.status().serving.adapters == (ADAPTER,)  # type: ignore[union-attr]
+
+
+async def test_a_hop_without_the_adapter_refuses_with_a_typed_error(
+    swarm: LocalSwarm, made: dict[str, Any]
+) -> None:
+    async with open_leech(str(made["checkpoint"]), swarm.initial_peers) as leech:
+        without, with_it = swarm.daemons[2], swarm.daemons[0]
+        for daemon, answer in ((without, wire.Error), (with_it, wire.SessionOpened)):
+            raw = await leech.node.host.new_stream(
+                ID.from_base58(daemon.peer_id), [INFERENCE_PROTOCOL]
+            )
+            stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
+            await stream.send(
+                wire.OpenSession(
+                    session_id="s",
+                    model=leech.swarm.model,
+                    start=0,
+                    end=3,
+                    max_length=8,
+                    active_adapter=ADAPTER,
+                )
+            )
+            reply = await stream.receive(10)
+            await stream.close()
+            assert isinstance(reply, answer), reply
+            if isinstance(reply, wire.Error):
+                assert reply.code == wire.ErrorCode.ADAPTER_NOT_FOUND
+                assert "no adapter 'shout'" in reply.message
 
 
 def test_an_unknown_adapter_is_a_clear_error_and_the_daemon_goes_on(swarm: LocalSwarm) -> None:
