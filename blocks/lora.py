@@ -122,19 +122,52 @@ def read_adapter(path: str | Path, config: PretrainedConfig, family: Family) -> 
         raise AdapterError(f"adapter {name}: r must be an int >= 1 and lora_alpha a number")
     scaling = alpha / math.sqrt(r) if settings.get("use_rslora") else alpha / r
     with safe_open(path / WEIGHTS_FILE, framework="pt") as f:
-        names = tuple(f.keys())
+        shapes = {tensor: list(f.get_slice(tensor).get_shape()) for tensor in f.keys()}  # noqa: SIM118
+    if not shapes:
+        raise AdapterError(f"adapter {name}: {WEIGHTS_FILE} holds no tensors")
+    info = AdapterInfo(name, path.resolve(), r, float(scaling), tuple(shapes))
+    # Every block's layer has the same modules and shapes: one, on the meta device (no memory),
+    # tells whether each matrix fits, so a wrong adapter fails here and not after joining.
+    with torch.device("meta"):
+        layer = family.layer_class(config, layer_idx=0)
     num_blocks = int(config.num_hidden_layers)
-    for tensor_name in names:
-        block = _parse(tensor_name, family, name)[0]
+    halves: dict[tuple[int, str], str] = {}
+    for tensor_name, shape in shapes.items():
+        block, module, which = _parse(tensor_name, family, name)
+        halves[(block, module)] = halves.get((block, module), "") + which
         if not 0 <= block < num_blocks:
             raise AdapterError(
                 f"adapter {name} changes block {block}, but the model has blocks 0:{num_blocks}: "
                 "it was trained for another model"
             )
-    if not names:
-        raise AdapterError(f"adapter {name}: {WEIGHTS_FILE} holds no tensors")
-    return AdapterInfo(name=name, path=path.resolve(), r=r, scaling=float(scaling),
-                       tensor_names=names)  # fmt: skip
+        base = _linear(layer, module, name, block)
+        a_shape = shape if which == "A" else [r, base.in_features]
+        b_shape = shape if which == "B" else [base.out_features, r]
+        _check_pair(info, block, module, base, a_shape, b_shape)
+    for (block, module), which in halves.items():
+        if sorted(which) != ["A", "B"]:
+            raise AdapterError(
+                f"adapter {name}: block {block} {module} has lora_{which} only; save the adapter "
+                "again with PEFT"
+            )
+    return info
+
+
+def _check_pair(
+    info: AdapterInfo,
+    block: int,
+    module: str,
+    base: nn.Linear | LoraLinear,
+    a_shape: Sequence[int],
+    b_shape: Sequence[int],
+) -> None:
+    """AdapterError unless A is [r, in] and B [out, r] for the linear layer `base`."""
+    if list(a_shape) != [info.r, base.in_features] or list(b_shape) != [base.out_features, info.r]:
+        raise AdapterError(
+            f"adapter {info.name}: block {block} {module} is a {base.in_features}->"
+            f"{base.out_features} linear layer, but the adapter (r={info.r}) has A "
+            f"{list(a_shape)} and B {list(b_shape)}: it was trained for another model"
+        )
 
 
 def _parse(tensor_name: str, family: Family, adapter: str) -> tuple[int, str, str]:
@@ -220,26 +253,14 @@ def attach_adapter(
             b = f.get_tensor(pair["B"]).to(first.dtype)
             target = _linear(layers[block - start], module, info.name, block)
             base = target.base if isinstance(target, LoraLinear) else target
-            if (
-                a.ndim != 2
-                or b.ndim != 2
-                or a.shape[0] != info.r
-                or b.shape[1] != info.r
-                or a.shape[1] != base.in_features
-                or b.shape[0] != base.out_features
-            ):
-                raise AdapterError(
-                    f"adapter {info.name}: block {block} {module} is a {base.in_features}->"
-                    f"{base.out_features} linear layer, but the adapter (r={info.r}) has A "
-                    f"{list(a.shape)} and B {list(b.shape)}: it was trained for another model"
-                )
+            _check_pair(info, block, module, base, a.shape, b.shape)
             if not isinstance(target, LoraLinear):
                 target = _wrap(layers[block - start], module)
             target.add(info.name, a, b, info.scaling)
     return len(mine)
 
 
-def _linear(layer: nn.Module, module: str, adapter: str, block: int) -> nn.Module:
+def _linear(layer: nn.Module, module: str, adapter: str, block: int) -> nn.Linear | LoraLinear:
     try:
         target = layer.get_submodule(module)
     except AttributeError:

@@ -183,6 +183,13 @@ def test_daemon_refuses_a_bad_adapter_at_start(tiny: Path, tmp_path: Path) -> No
     _edit_config(adapter, use_dora=True)
     with pytest.raises(DaemonError, match=r"--adapters .*dora.*DoRA"):
         Daemon(DaemonConfig(model=str(tiny), blocks="0:2", adapters=[adapter]))
+    # Shapes are checked at start too (on a meta-device layer), not only when blocks load.
+    wider = AutoModelForCausalLM.from_config(
+        LlamaConfig(**{**CONFIG.to_dict(), "intermediate_size": 48})
+    )
+    _, other = save_adapter(wider, tmp_path / "wider", target_modules=["down_proj"])
+    with pytest.raises(DaemonError, match=r"down_proj is a 64->32 linear layer.*another model"):
+        Daemon(DaemonConfig(model=str(tiny), blocks="0:2", adapters=[other]))
     _edit_config(adapter, use_dora=False)
     with pytest.raises(DaemonError, match="--adapters needs --blocks"):
         Daemon(DaemonConfig(model=str(tiny), blocks=None, adapters=[adapter]))
