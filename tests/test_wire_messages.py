@@ -40,6 +40,7 @@ from wire import (
     OpenInference,
     OpenSession,
     ProtocolError,
+    RouteOptions,
     ServerInfo,
     SessionOpened,
     StatusRequest,
@@ -76,6 +77,19 @@ INFO = ServerInfo(
     addrs=("/ip4/10.0.0.1/tcp/4001", "/ip4/1.2.3.4/tcp/4001/p2p/12D3KooWR/p2p-circuit"),
     relayed=True,
     adapters=("lora-a",),
+)
+
+# Real peer ids (an Ed25519 one as 12D3KooW..., an RSA-style sha2-256 one as Qm...): routing
+# controls check them.
+PEER_A = "12D3KooWPTCWpA2Xi73a1uREdWgF3ssywwth3Sd8A7M5vm3zgdKp"
+PEER_B = "12D3KooWDzwCfugwoor3LkCipVDjLhD22bJaQ1ontrVydY2eiiMz"
+PEER_Q = "QmRU8AbmfH5aRkC5LebWmsbZGFGuqf332kUJKWgB3LJHeD"
+ROUTING = RouteOptions(
+    allowed_servers=(PEER_A, PEER_Q),
+    blocked_servers=(PEER_B,),
+    max_retries=2,
+    connect_timeout=5.0,
+    request_timeout=30.0,
 )
 
 EXAMPLES: list[Message] = [
@@ -115,9 +129,11 @@ EXAMPLES: list[Message] = [
         seed=(1 << 64) - 1,
         stop=("\n\n", "User:"),
         active_adapter="lora-a",
+        routing=ROUTING,
     ),
     GeneratedToken(text=" girl", token_id=3304),
     GenerateDone(reason="length", token_count=20),
+    GenerateDone(reason="eos", token_count=3, route=(f"{PEER_A}[0:10)", f"{PEER_Q}[10:30)")),
     Cancel(),
     StatusRequest(),
     StatusResponse(peer_id="12D3KooWA", version="0.1.0", uptime_s=3.5, serving=INFO, swarm=(INFO,)),
@@ -125,6 +141,7 @@ EXAMPLES: list[Message] = [
     Welcome(version="0.1.0", peer_id="12D3KooWA", model="m", num_blocks=30, hidden_size=576),
     OpenInference(max_length=512, batch_size=2),
     OpenInference(max_length=64, active_adapter="lora-a"),
+    OpenInference(max_length=64, routing=RouteOptions(blocked_servers=(PEER_A,))),
     InferenceOpened(session_id="s1", route=("12D3KooWA[0:10)", "12D3KooWB[10:30)")),
     InferenceStep(session_id="s1", hidden_states=torch.zeros(2, 1, 8)),
     InferenceOutput(hidden_states=torch.ones(2, 1, 8), position=7),
@@ -223,7 +240,7 @@ def test_doc_lists_every_message_and_its_fields() -> None:
         assert f"`{tag}`" in text, f"docs/wire.md does not describe message {tag}"
         for field in cls._wire_fields:
             assert f"`{field.name}`" in text, f"docs/wire.md lacks {tag}.{field.name}"
-    for field in ServerInfo._wire_fields + NextHop._wire_fields:
+    for field in ServerInfo._wire_fields + NextHop._wire_fields + RouteOptions._wire_fields:
         assert f"`{field.name}`" in text
 
 
@@ -429,3 +446,51 @@ def test_declaration_mistakes_fail_at_import_time() -> None:
         @record
         class Bad(wire.Record):
             when: complex
+
+
+# --- routing controls ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        ("12D3KooW0OIl", "'0IOl' is not base58"),
+        ("12D3KooWA", "its multihash says 2 digest bytes but holds 5"),
+        ("Qmabc", "not a multihash of a public key"),
+        ("11", "an identity multihash holds a public key of 32 to 42 bytes"),
+        (PEER_A[:-1], "holds 35"),
+    ],
+)
+def test_route_options_name_a_malformed_peer_id(bad: str, why: str) -> None:
+    with pytest.raises(MalformedMessage, match=re.escape(why)) as info:
+        RouteOptions(blocked_servers=(PEER_A, bad))
+    assert f"blocked_servers: {bad!r} is not a peer id" in str(info.value)
+    with pytest.raises(MalformedMessage, match="allowed_servers"):
+        RouteOptions(allowed_servers=(bad,))
+
+
+def test_route_options_from_the_wire_are_checked_too() -> None:
+    body = to_envelope(Generate(prompt="hi", max_new_tokens=1, routing=RouteOptions()))
+    body["body"]["routing"]["blocked_servers"] = ["not-a-peer"]
+    with pytest.raises(MalformedMessage, match="'not-a-peer' is not a peer id"):
+        decode_message(body)
+
+
+def test_route_options_limits() -> None:
+    with pytest.raises(MalformedMessage, match="max_retries"):
+        RouteOptions(max_retries=-1)
+    with pytest.raises(MalformedMessage, match="connect_timeout"):
+        RouteOptions(connect_timeout=0.0)
+    with pytest.raises(MalformedMessage, match="allowed_servers"):
+        RouteOptions(allowed_servers=())  # nobody allowed: say None for "anyone"
+
+
+def test_peer_ids_libp2p_makes_are_accepted() -> None:
+    from libp2p.crypto.ed25519 import create_new_key_pair as ed25519
+    from libp2p.crypto.rsa import create_new_key_pair as rsa
+    from libp2p.crypto.secp256k1 import create_new_key_pair as secp256k1
+    from libp2p.peer.id import ID
+
+    ids = [ID.from_pubkey(make().public_key).to_base58() for make in (ed25519, secp256k1, rsa)]
+    assert [peer_id[:2] for peer_id in ids] == ["12", "16", "Qm"]
+    assert RouteOptions(allowed_servers=tuple(ids)).allowed_servers == tuple(ids)

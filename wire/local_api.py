@@ -16,12 +16,13 @@ import torch
 from wire.peer_protocol import (
     MAX_ADAPTER_NAME_LEN,
     MAX_BATCH_SIZE,
+    MAX_HOPS,
     MAX_ID_LEN,
     MAX_MODEL_LEN,
     MAX_SESSION_TOKENS,
     ServerInfo,
 )
-from wire.schema import Message, message, spec
+from wire.schema import Message, Record, message, record, spec
 
 MAX_PROMPT_CHARS = 1 << 20
 """A prompt's text: 128k tokens of English are ~0.5 M characters (the frame's 4 MiB string limit
@@ -40,6 +41,69 @@ MAX_STOP_LEN = 256
 
 MAX_SWARM_RECORDS = 4096
 """Server records one StatusResponse lists: a large public swarm has a few hundred servers."""
+
+MAX_ROUTE_PEERS = MAX_SWARM_RECORDS
+"""Peer ids one RouteOptions may allow or block: at most every server a daemon can know of."""
+
+MAX_RETRIES = 1000
+MAX_TIMEOUT_S = 86400.0
+"""A day: longer than any step or dial should ever be allowed to take."""
+
+_BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+# Multihash functions a libp2p peer id is made with: the public key itself (identity, for keys
+# up to 42 bytes such as Ed25519) or its sha2-256 digest (RSA and other long keys).
+_PEER_ID_HASHES = {0x00: "identity", 0x12: "sha2-256"}
+
+
+def peer_id_problem(text: str) -> str | None:
+    """Why `text` is not a libp2p peer id (base58btc of a multihash), or None if it is one."""
+    if not text:
+        return "it is empty"
+    if bad := sorted({c for c in text if c not in _BASE58}):
+        return f"{''.join(bad)!r} is not base58 (peer ids look like 12D3KooW... or Qm...)"
+    number = 0
+    for char in text:
+        number = number * 58 + _BASE58.index(char)
+    body = number.to_bytes((number.bit_length() + 7) // 8, "big") if number else b""
+    raw = b"\0" * (len(text) - len(text.lstrip("1"))) + body
+    if len(raw) < 2 or raw[0] not in _PEER_ID_HASHES:
+        return "it is not a multihash of a public key (peer ids look like 12D3KooW... or Qm...)"
+    if raw[1] != len(raw) - 2:
+        return f"its multihash says {raw[1]} digest bytes but holds {len(raw) - 2}"
+    if raw[0] == 0x12 and raw[1] != 32:
+        return "a sha2-256 multihash holds 32 bytes"
+    if raw[0] == 0x00 and not 32 <= raw[1] <= 42:
+        # libp2p inlines keys of at most 42 bytes (Ed25519, secp256k1) and hashes longer ones.
+        return "an identity multihash holds a public key of 32 to 42 bytes"
+    return None
+
+
+@record
+class RouteOptions(Record):
+    """How the daemon may route one request: which servers it may or must not use, how often it
+    may replace a failed one, and how long dialing a hop and each step may take (None: the
+    daemon's defaults)."""
+
+    allowed_servers: tuple[str, ...] | None = spec(
+        default=None, min_items=1, max_items=MAX_ROUTE_PEERS, min_len=1, max_len=MAX_ID_LEN
+    )
+    """Use only these peers (nil: any)."""
+    blocked_servers: tuple[str, ...] = spec(
+        default=(), max_items=MAX_ROUTE_PEERS, min_len=1, max_len=MAX_ID_LEN
+    )
+    """Never use these peers."""
+    max_retries: int | None = spec(default=None, ge=0, le=MAX_RETRIES)
+    """Failed servers the request may replace before it fails."""
+    connect_timeout: float | None = spec(default=None, gt=0.0, le=MAX_TIMEOUT_S)
+    """Seconds to dial a hop and open its session."""
+    request_timeout: float | None = spec(default=None, gt=0.0, le=MAX_TIMEOUT_S)
+    """Seconds one step may take on one hop."""
+
+    def check(self) -> None:
+        for name in ("allowed_servers", "blocked_servers"):
+            for peer_id in getattr(self, name) or ():
+                if (problem := peer_id_problem(peer_id)) is not None:
+                    raise ValueError(f"{name}: {peer_id!r} is not a peer id: {problem}")
 
 
 @message("generate")
@@ -69,6 +133,8 @@ class Generate(Message):
     active_adapter: str | None = spec(default=None, min_len=1, max_len=MAX_ADAPTER_NAME_LEN)
     """Generate with this LoRA adapter: routed only through servers that list it. With
     session_id, the session's own adapter applies and this must be unset or name the same."""
+    routing: RouteOptions | None = None
+    """Limits on the route (ignored with session_id: the session's route stands)."""
 
     def check(self) -> None:
         if (self.prompt is None) == (self.input_ids is None):
@@ -102,6 +168,7 @@ class OpenInference(Message):
     batch_size: int = spec(default=1, ge=1, le=MAX_BATCH_SIZE)
     active_adapter: str | None = spec(default=None, min_len=1, max_len=MAX_ADAPTER_NAME_LEN)
     """Run the session's blocks with this LoRA adapter, only on servers that list it."""
+    routing: RouteOptions | None = None
 
 
 @message("inference_opened")
@@ -150,6 +217,8 @@ class GenerateDone(Message):
 
     reason: Literal["length", "stop", "eos", "cancelled"]
     token_count: int = spec(ge=0, le=MAX_NEW_TOKENS)
+    route: tuple[str, ...] = spec(default=(), max_items=MAX_HOPS, max_len=512)
+    """The hops the generation ended on, as "peer_id[start:end)" (after any failover)."""
 
 
 @message("cancel")
