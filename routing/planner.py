@@ -44,6 +44,8 @@ Mode = Literal["inference", "training"]
 # RTT assumed for a peer never pinged: a typical same-continent round trip, so an unmeasured
 # peer is neither preferred over measured nearby ones nor shunned.
 DEFAULT_RTT_S = 0.05
+# Why a server outside the caller's allowed_servers is skipped (NoRouteError reasons).
+NOT_ALLOWED = "not allowed"
 # Extra cost of a server reached through a circuit relay: at least one more network leg, and
 # relays cap bandwidth, so a direct server with the same span wins unless it is far slower.
 DEFAULT_RELAYED_PENALTY_S = 0.1
@@ -67,6 +69,7 @@ class NoRouteError(LookupError):
 
     missing: half-open block ranges that no usable server holds.
     skipped: peer_id -> why, for the servers that hold some missing block but were not usable.
+    absent_allowed: peers of the caller's allowed_servers that are not in the swarm at all.
     """
 
     def __init__(
@@ -74,14 +77,35 @@ class NoRouteError(LookupError):
         model: str,
         missing: Sequence[tuple[int, int]],
         skipped: Mapping[str, str],
+        *,
+        absent_allowed: Sequence[str] = (),
     ) -> None:
         self.model = model
         self.missing = tuple(missing)
         self.skipped = dict(skipped)
+        self.absent_allowed = tuple(absent_allowed)
         super().__init__(self._message())
+
+    @property
+    def due_to_allowed_servers(self) -> bool:
+        """Whether allowed_servers alone leave the blocks uncovered: some server outside it holds
+        each of them, so waiting will not help but allowing one will."""
+        return bool(self.skipped) and set(self.skipped.values()) == {NOT_ALLOWED}
 
     def _message(self) -> str:
         blocks = " and ".join(format_blocks(a, b) for a, b in self.missing)
+        if self.due_to_allowed_servers:
+            absent = (
+                f"; {', '.join(self.absent_allowed)} "
+                f"{'is' if len(self.absent_allowed) == 1 else 'are'} not in the swarm"
+                if self.absent_allowed
+                else ""
+            )
+            return (
+                f"allowed_servers leave {blocks} of {self.model} uncovered: no allowed server "
+                f"holds them, only {', '.join(sorted(self.skipped))}{absent}. Add a server that "
+                "holds them to allowed_servers, or drop allowed_servers"
+            )
         commands = " and ".join(f"`peerd start --blocks {a}:{b}`" for a, b in self.missing)
         one = "one" if len(self.missing) == 1 else "them"
         if not self.skipped:
@@ -209,7 +233,8 @@ def plan_route(
             return any(r.start < b and a < r.end for a, b in missing)
 
         reasons = {peer: why for peer, why in skipped.items() if holds_missing(peer)}
-        raise NoRouteError(snapshot.model, missing, reasons)
+        absent = sorted(set(allowed_servers or ()) - set(snapshot.by_peer))
+        raise NoRouteError(snapshot.model, missing, reasons, absent_allowed=absent)
 
     if mode == "training":
         return _spread_route(by_block, start, end, rng or random.Random())
@@ -295,7 +320,7 @@ def _skip_reason(
     if record.peer_id in blocked:
         return "blocked"
     if allowed is not None and record.peer_id not in allowed:
-        return "not allowed"
+        return NOT_ALLOWED
     if isinstance(bans, BanList):
         assert now is not None  # plan_route checked
         if bans.is_banned(record.peer_id, now):

@@ -228,6 +228,30 @@ def test_no_route_mentions_only_holders_of_the_missing_blocks() -> None:
     assert "1 peer holds them but is skipped: 1 blocked" in str(info.value)
 
 
+def test_allowed_servers_that_leave_blocks_uncovered_say_so_at_once() -> None:
+    snap = make_snapshot(
+        30, make_record("a", 0, 15), make_record("b", 15, 30), make_record("c", 0, 30)
+    )
+    route = plan_route(snap, allowed_servers={"a", "b"})
+    assert [(h.peer_id, h.start, h.end) for h in route] == [("a", 0, 15), ("b", 15, 30)]
+    with pytest.raises(NoRouteError) as info:
+        plan_route(snap, allowed_servers={"a", "ghost"})
+    assert info.value.missing == ((15, 30),)
+    assert info.value.due_to_allowed_servers
+    assert info.value.absent_allowed == ("ghost",)
+    assert str(info.value) == (
+        "allowed_servers leave blocks 15-29 of smollm2-135m uncovered: no allowed server holds "
+        "them, only b, c; ghost is not in the swarm. Add a server that holds them to "
+        "allowed_servers, or drop allowed_servers"
+    )
+    # A holder that is merely draining is not the allowed list's fault: the usual message.
+    snap = make_snapshot(30, make_record("a", 0, 30, state=ServerState.DRAINING))
+    with pytest.raises(NoRouteError) as info:
+        plan_route(snap, allowed_servers={"a"})
+    assert not info.value.due_to_allowed_servers
+    assert "1 draining" in str(info.value)
+
+
 @pytest.mark.parametrize(("start", "end"), [(-1, 5), (5, 4), (0, 31)])
 def test_rejects_ranges_outside_the_model(start: int, end: int) -> None:
     with pytest.raises(ValueError, match="cannot route blocks"):
