@@ -16,7 +16,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 
-from peerd.gateway import openai_api, petals
+from peerd.gateway import monitor, openai_api, petals
 from peerd.gateway.bodies import MAX_BODY_BYTES, ClientGone
 from peerd.gateway.link import DaemonLink, GatewayError
 
@@ -67,11 +67,14 @@ async def status(request: Request) -> Response:
 
 
 def create_app(
-    socket_path: str | Path | None = None, *, checkpoint: str | Path | None = None
+    socket_path: str | Path | None = None,
+    *,
+    checkpoint: str | Path | None = None,
+    swarm_refresh_s: float = monitor.DEFAULT_REFRESH_S,
 ) -> Starlette:
     """The gateway in front of the daemon on `socket_path` (default: $PEERD_SOCKET, then the
     per-user socket). `checkpoint`: the daemon's model directory when it is not the default,
-    for its tokenizer and chat template."""
+    for its tokenizer and chat template. `swarm_refresh_s`: how often the /swarm page polls."""
     link = DaemonLink(socket_path, checkpoint)
 
     @contextlib.asynccontextmanager
@@ -88,6 +91,8 @@ def create_app(
             Route("/", page),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
             Route("/api/status", status),
+            Route("/swarm", monitor.swarm_page),
+            Route("/api/v1/swarm", monitor.swarm_json),
             Route("/api/v1/generate", petals.v1_generate, methods=["POST"]),
             WebSocketRoute("/api/v2/generate", petals.v2_generate),
             Route("/v1/models", openai_api.list_models),
@@ -104,6 +109,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.link = link
+    app.state.swarm_refresh_s = swarm_refresh_s
     return app
 
 
@@ -127,11 +133,17 @@ def serve(
     socket_path: str | Path | None,
     checkpoint: str | Path | None = None,
     log_level: str = "info",
+    swarm_refresh_s: float = monitor.DEFAULT_REFRESH_S,
 ) -> None:
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     uvicorn.Server(
-        uvicorn_config(create_app(socket_path, checkpoint=checkpoint), host, port, log_level)
+        uvicorn_config(
+            create_app(socket_path, checkpoint=checkpoint, swarm_refresh_s=swarm_refresh_s),
+            host,
+            port,
+            log_level,
+        )
     ).run()

@@ -249,9 +249,8 @@ class DaemonLink:
             tokenizer=tokenizer,
         )
 
-    async def swarm_status(self) -> dict[str, Any]:
-        """What the daemon knows of the swarm, and which blocks no online server holds (with the
-        routing layer's own message for it)."""
+    async def swarm_view(self) -> tuple[wire.StatusResponse, SwarmSnapshot]:
+        """The daemon's status, and the servers it knows of as a snapshot of its model."""
         facts = await self.model()
         async with self.connect() as client:
             try:
@@ -264,7 +263,13 @@ class DaemonLink:
                 records.append(info_to_record(info))
             except ValueError:
                 continue
-        snapshot = SwarmSnapshot.from_records(facts.name, facts.num_blocks, records)
+        return status, SwarmSnapshot.from_records(facts.name, facts.num_blocks, records)
+
+    async def swarm_status(self) -> dict[str, Any]:
+        """What the daemon knows of the swarm, and which blocks no online server holds (with the
+        routing layer's own message for it)."""
+        facts = await self.model()
+        status, snapshot = await self.swarm_view()
         missing = contiguous_ranges(snapshot.uncovered_blocks())
         return {
             "model": facts.name,
