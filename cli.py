@@ -127,14 +127,14 @@ def start(
 
 
 @contextmanager
-def _client(socket: Path | None) -> Iterator[Any]:
-    """A connection to the local daemon; what the daemon refuses becomes a message and exit 1,
-    no daemon at all exit 2 (with how to start one)."""
-    from peerd.client import Client, DaemonNotRunning, PeerdError
+def _client(socket: Path | None, **routing: Any) -> Iterator[Any]:
+    """A connection to the local daemon (with Client's routing controls); what the daemon
+    refuses becomes a message and exit 1, no daemon at all or bad routing controls exit 2."""
+    from peerd.client import BadRouteOptions, Client, DaemonNotRunning, PeerdError
 
     try:
-        client = Client(socket)
-    except DaemonNotRunning as e:
+        client = Client(socket, **routing)
+    except (DaemonNotRunning, BadRouteOptions) as e:
         typer.echo(f"peerd: {e}", err=True)
         raise typer.Exit(2) from None
     with client:
@@ -183,6 +183,35 @@ STOP = typer.Option([], "--stop", help="Stop sequence (repeatable).")
 ADAPTER = typer.Option(
     None, "--adapter", help="LoRA adapter to generate with (`peerd status` lists them)."
 )
+ALLOWED_SERVERS = typer.Option(
+    [], "--allowed-server", help="Route only through this peer id (repeatable; default: any)."
+)
+BLOCKED_SERVERS = typer.Option(
+    [], "--blocked-server", help="Never route through this peer id (repeatable)."
+)
+MAX_RETRIES = typer.Option(None, min=0, help="Failed servers to replace before giving up.")
+CONNECT_TIMEOUT = typer.Option(None, min=0.001, help="Seconds to dial a server and open a hop.")
+REQUEST_TIMEOUT = typer.Option(None, min=0.001, help="Seconds one step may take on one server.")
+SHOW_ROUTE = typer.Option(False, "--show-route", help="Print the route used (to stderr).")
+
+
+def _routing(
+    allowed: list[str],
+    blocked: list[str],
+    max_retries: int | None,
+    connect_timeout: float | None,
+    request_timeout: float | None,
+    show_route: bool,
+) -> dict[str, Any]:
+    """Client keywords of the routing flags."""
+    return {
+        "allowed_servers": allowed or None,
+        "blocked_servers": blocked,
+        "max_retries": max_retries,
+        "connect_timeout": connect_timeout,
+        "request_timeout": request_timeout,
+        "show_route": show_route,
+    }
 
 
 @app.command()
@@ -199,6 +228,12 @@ def generate(
     seed: int | None = SEED,
     stop: list[str] = STOP,
     adapter: str | None = ADAPTER,
+    allowed_server: list[str] = ALLOWED_SERVERS,
+    blocked_server: list[str] = BLOCKED_SERVERS,
+    max_retries: int | None = MAX_RETRIES,
+    connect_timeout: float | None = CONNECT_TIMEOUT,
+    request_timeout: float | None = REQUEST_TIMEOUT,
+    show_route: bool = SHOW_ROUTE,
 ) -> None:
     """Generate text once through the local daemon, streaming it to stdout."""
     from peerd.terminal import stream_answer
@@ -214,7 +249,10 @@ def generate(
         stop,
         adapter,
     )
-    with _client(socket) as client:
+    routing = _routing(
+        allowed_server, blocked_server, max_retries, connect_timeout, request_timeout, show_route
+    )
+    with _client(socket, **routing) as client:
         stream_answer(client, prompt, sys.stdout, chat=chat, session=None, **options.options())
 
 
@@ -230,6 +268,12 @@ def chat(
     repetition_penalty: float = REPETITION_PENALTY,
     seed: int | None = SEED,
     adapter: str | None = ADAPTER,
+    allowed_server: list[str] = ALLOWED_SERVERS,
+    blocked_server: list[str] = BLOCKED_SERVERS,
+    max_retries: int | None = MAX_RETRIES,
+    connect_timeout: float | None = CONNECT_TIMEOUT,
+    request_timeout: float | None = REQUEST_TIMEOUT,
+    show_route: bool = SHOW_ROUTE,
 ) -> None:
     """Chat with the model at the terminal (one conversation, servers keep its cache)."""
     from peerd.terminal import run_chat, stream_answer
@@ -237,7 +281,10 @@ def chat(
     options = _options(
         max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, seed, [], adapter
     )
-    with _client(socket) as client:
+    routing = _routing(
+        allowed_server, blocked_server, max_retries, connect_timeout, request_timeout, show_route
+    )
+    with _client(socket, **routing) as client:
         if prompt is not None:
             stream_answer(client, prompt, sys.stdout, chat=True, session=None, **options.options())
         else:
@@ -297,13 +344,16 @@ def gateway(
         None, help="The daemon's model directory, when it is not the default (for its tokenizer)."
     ),
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
+    swarm_refresh: float = typer.Option(
+        5.0, min=0.1, help="Seconds between refreshes of the swarm monitor page (/swarm)."
+    ),
 ) -> None:
-    """chat.petals.dev-compatible and OpenAI-compatible APIs and a web chat page, in front of the
-    local daemon (docs/gateway.md)."""
+    """chat.petals.dev-compatible and OpenAI-compatible APIs, a web chat page and a swarm monitor
+    (/swarm), in front of the local daemon (docs/gateway.md)."""
     from peerd.gateway import serve
 
-    typer.echo(f"peerd gateway: web chat and APIs on http://{host}:{port}/")
-    serve(host, port, socket, model, log_level)
+    typer.echo(f"peerd gateway: web chat and APIs on http://{host}:{port}/, swarm at /swarm")
+    serve(host, port, socket, model, log_level, swarm_refresh)
 
 
 @bench_app.command("wire")

@@ -235,12 +235,12 @@ class _Connection:
             max_length=request.max_length,
             batch_size=request.batch_size,
             adapter=request.active_adapter,
+            routing=request.routing,
         )
         await inference.__aenter__()
         session_id = uuid.uuid4().hex
         self.sessions[session_id] = ApiSession(inference)
-        route = tuple(f"{h.peer_id}[{h.start}:{h.end})" for h in inference.route)
-        await self.send(wire.InferenceOpened(session_id=session_id, route=route))
+        await self.send(wire.InferenceOpened(session_id=session_id, route=_hops(inference)))
 
     def _session(self, session_id: str) -> ApiSession:
         session = self.sessions.get(session_id)
@@ -304,36 +304,51 @@ class _Connection:
         tokens: list[int] = []
         emitted = ""
         reason: Literal["length", "stop", "eos", "cancelled"] = "length"
+        route: tuple[str, ...] = ()
         with trio.CancelScope() as scope:
             self._generation = scope
-            stream = generator.generate(
-                prompt,
-                request.max_new_tokens,
-                params,
-                session=session.inference if session else None,
-                eos_token_ids=eos,
-                adapter=request.active_adapter,
-            )
-            async for token in stream:
-                token_id = int(token[0, 0])
-                tokens.append(token_id)
-                if token_id in eos:
-                    reason = "eos"
-                    await self.send(wire.GeneratedToken(text="", token_id=token_id))
-                    break
-                text = str(tokenizer.decode(tokens, skip_special_tokens=True))
-                if text.endswith("\ufffd"):  # half a UTF-8 character: wait for the rest
-                    await self.send(wire.GeneratedToken(text="", token_id=token_id))
-                    continue
-                piece = text[len(emitted) :]
-                cut = _find_stop(text, request.stop, len(emitted))
-                if cut is not None:
-                    piece = text[len(emitted) : cut]
-                    reason = "stop"
-                await self.send(wire.GeneratedToken(text=piece, token_id=token_id))
-                emitted = text if cut is None else text[:cut]
-                if cut is not None:
-                    break
+            async with contextlib.AsyncExitStack() as own:
+                if session is not None:
+                    inference = session.inference
+                else:  # a session of this generation's own, routed as the request asks
+                    inference = await own.enter_async_context(
+                        InferenceSession(
+                            generator.swarm,
+                            max_length=len(new_ids) + request.max_new_tokens,
+                            adapter=request.active_adapter,
+                            routing=request.routing,
+                        )
+                    )
+                stream = generator.generate(
+                    prompt,
+                    request.max_new_tokens,
+                    params,
+                    session=inference,
+                    eos_token_ids=eos,
+                )
+                try:
+                    async for token in stream:
+                        token_id = int(token[0, 0])
+                        tokens.append(token_id)
+                        if token_id in eos:
+                            reason = "eos"
+                            await self.send(wire.GeneratedToken(text="", token_id=token_id))
+                            break
+                        text = str(tokenizer.decode(tokens, skip_special_tokens=True))
+                        if text.endswith("\ufffd"):  # half a UTF-8 character: wait for the rest
+                            await self.send(wire.GeneratedToken(text="", token_id=token_id))
+                            continue
+                        piece = text[len(emitted) :]
+                        cut = _find_stop(text, request.stop, len(emitted))
+                        if cut is not None:
+                            piece = text[len(emitted) : cut]
+                            reason = "stop"
+                        await self.send(wire.GeneratedToken(text=piece, token_id=token_id))
+                        emitted = text if cut is None else text[:cut]
+                        if cut is not None:
+                            break
+                finally:
+                    route = _hops(inference)  # where the generation ended, after any failover
         self._generation = None
         if scope.cancelled_caught:
             reason = "cancelled"
@@ -343,7 +358,7 @@ class _Connection:
             session.pending = tokens[-1:]
             if request.chat:
                 session.messages.append({"role": "assistant", "content": emitted})
-        await self.send(wire.GenerateDone(reason=reason, token_count=len(tokens)))
+        await self.send(wire.GenerateDone(reason=reason, token_count=len(tokens), route=route))
 
     def _prompt_ids(
         self, tokenizer: Any, request: wire.Generate, session: ApiSession | None
@@ -384,6 +399,11 @@ class _Connection:
             await session.inference.close()
         self.sessions.clear()
         await self.stream.aclose()
+
+
+def _hops(inference: InferenceSession) -> tuple[str, ...]:
+    """A session's route as the local API reports it: "peer_id[start:end)" per hop."""
+    return tuple(f"{h.peer_id}[{h.start}:{h.end})" for h in inference.route)
 
 
 def _eos_ids(tokenizer: Any) -> list[int]:

@@ -7,12 +7,17 @@
 
 `AsyncClient` offers the same calls as coroutines on anyio, so it works under trio and asyncio
 alike (web frameworks included). Errors the daemon reports raise `PeerdError`.
+
+Both take routing controls for every generation and session they start (see `route_options`):
+    Client(allowed_servers=["12D3KooW..."], blocked_servers=[...], max_retries=2,
+           connect_timeout=5, request_timeout=30, show_route=True)
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator, Generator, Iterator
+import sys
+from collections.abc import AsyncIterator, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +49,48 @@ class DaemonNotRunning(PeerdError):
             "`peerd start --new-swarm` (or `--initial-peers MULTIADDR` to join a swarm), or "
             "point to its socket with --socket / PEERD_SOCKET",
         )
+
+
+class BadRouteOptions(PeerdError, ValueError):
+    """Routing controls the daemon would refuse: a malformed peer id, a negative timeout..."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__("bad_request", message)
+
+
+def route_options(
+    *,
+    allowed_servers: Iterable[str] | None = None,
+    blocked_servers: Iterable[str] = (),
+    max_retries: int | None = None,
+    connect_timeout: float | None = None,
+    request_timeout: float | None = None,
+) -> wire.RouteOptions | None:
+    """Routing controls for the daemon (None when all are the defaults).
+
+    allowed_servers: use only these peers (ids as `peerd status` shows them); blocked_servers:
+    never use these; max_retries: failed servers to replace before failing; connect_timeout:
+    seconds to dial a hop and open its session; request_timeout: seconds each step may take.
+    Raises BadRouteOptions naming a malformed peer id.
+    """
+    if isinstance(allowed_servers, str) or isinstance(blocked_servers, str):
+        raise BadRouteOptions("allowed_servers and blocked_servers take a list of peer ids")
+    try:
+        options = wire.RouteOptions(
+            allowed_servers=None if allowed_servers is None else tuple(allowed_servers),
+            blocked_servers=tuple(blocked_servers),
+            max_retries=max_retries,
+            connect_timeout=None if connect_timeout is None else float(connect_timeout),
+            request_timeout=None if request_timeout is None else float(request_timeout),
+        )
+    except (wire.ProtocolError, ValueError, TypeError) as e:
+        raise BadRouteOptions(str(e)) from e
+    return None if options == wire.RouteOptions() else options
+
+
+def print_route(route: Iterable[str], out: Any = None) -> None:
+    """The route a generation or session used, as show_route prints it (to stderr)."""
+    print("route: " + (" -> ".join(route) or "(none)"), file=out or sys.stderr, flush=True)
 
 
 @dataclass
@@ -101,6 +148,7 @@ def _generate_request(
     chat: bool,
     session_id: str | None,
     options: GenerateOptions,
+    routing: wire.RouteOptions | None = None,
 ) -> wire.Generate:
     try:
         return wire.Generate(
@@ -117,17 +165,24 @@ def _generate_request(
             chat=chat,
             session_id=session_id,
             active_adapter=options.active_adapter,
+            routing=routing,
         )
     except (ValueError, TypeError) as e:
         raise PeerdError("bad_request", str(e)) from e
 
 
 def _open_request(
-    max_length: int, batch_size: int, active_adapter: str | None
+    max_length: int,
+    batch_size: int,
+    active_adapter: str | None,
+    routing: wire.RouteOptions | None = None,
 ) -> wire.OpenInference:
     try:
         return wire.OpenInference(
-            max_length=max_length, batch_size=batch_size, active_adapter=active_adapter
+            max_length=max_length,
+            batch_size=batch_size,
+            active_adapter=active_adapter,
+            routing=routing,
         )
     except (ValueError, TypeError) as e:
         raise PeerdError("bad_request", str(e)) from e
@@ -158,10 +213,36 @@ def _raise_if_error(message: wire.Message) -> wire.Message:
     return message
 
 
-class Client:
-    """A synchronous connection to the local daemon. Use as a context manager."""
+class _RouteControls:
+    """What Client and AsyncClient share: the routing controls they send with each request, and
+    the route the last generation or session used."""
 
-    def __init__(self, path: str | Path | None = None, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, show_route: bool, routing: dict[str, Any]) -> None:
+        self.routing = route_options(**routing)
+        self.show_route = show_route
+        self.last_route: tuple[str, ...] = ()
+
+    def _route_used(self, route: tuple[str, ...]) -> None:
+        self.last_route = route
+        if self.show_route:
+            print_route(route)
+
+
+class Client(_RouteControls):
+    """A synchronous connection to the local daemon. Use as a context manager.
+
+    `routing` keywords (route_options) apply to every generation and session it starts;
+    show_route=True prints each one's route to stderr."""
+
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        *,
+        show_route: bool = False,
+        **routing: Any,
+    ) -> None:
+        _RouteControls.__init__(self, show_route, routing)
         self.path = socket_path(path)
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(timeout)
@@ -213,7 +294,11 @@ class Client:
     ) -> Generator[wire.GeneratedToken | wire.GenerateDone, None, None]:
         """Every GeneratedToken as it is sampled, then the GenerateDone. Closing the generator
         early cancels the generation on the daemon."""
-        self._send(_generate_request(prompt, input_ids, chat, session, GenerateOptions(**options)))
+        self._send(
+            _generate_request(
+                prompt, input_ids, chat, session, GenerateOptions(**options), self.routing
+            )
+        )
         finished = False
         try:
             while not finished:
@@ -222,7 +307,9 @@ class Client:
                 except PeerdError:
                     finished = True  # the daemon ended this request with an error
                     raise
-                finished = isinstance(message, wire.GenerateDone)
+                if isinstance(message, wire.GenerateDone):
+                    finished = True
+                    self._route_used(message.route)
                 yield message
         finally:
             if not finished:
@@ -265,9 +352,10 @@ class Client:
         """A session through the swarm (with LoRA `active_adapter` on every hop when given);
         `last_route` lists its hops."""
         opened = self._request(
-            _open_request(max_length, batch_size, active_adapter), wire.InferenceOpened
+            _open_request(max_length, batch_size, active_adapter, self.routing),
+            wire.InferenceOpened,
         )
-        self.last_route: tuple[str, ...] = opened.route
+        self._route_used(opened.route)
         return str(opened.session_id)
 
     def step(self, session: str, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -282,10 +370,13 @@ class Client:
         self._request(wire.CloseInference(session_id=session), wire.InferenceClosed)
 
 
-class AsyncClient:
+class AsyncClient(_RouteControls):
     """The same calls as Client, as coroutines on anyio (trio or asyncio)."""
 
-    def __init__(self, path: str | Path | None = None) -> None:
+    def __init__(
+        self, path: str | Path | None = None, *, show_route: bool = False, **routing: Any
+    ) -> None:
+        _RouteControls.__init__(self, show_route, routing)
         self.path = socket_path(path)
         self._stream: anyio.abc.ByteStream | None = None
         self._decoder = wire.MessageDecoder()
@@ -348,7 +439,9 @@ class AsyncClient:
         **options: Any,
     ) -> AsyncIterator[wire.GeneratedToken | wire.GenerateDone]:
         await self._send(
-            _generate_request(prompt, input_ids, chat, session, GenerateOptions(**options))
+            _generate_request(
+                prompt, input_ids, chat, session, GenerateOptions(**options), self.routing
+            )
         )
         finished = False
         try:
@@ -358,7 +451,9 @@ class AsyncClient:
                 except PeerdError:
                     finished = True  # the daemon ended this request with an error
                     raise
-                finished = isinstance(message, wire.GenerateDone)
+                if isinstance(message, wire.GenerateDone):
+                    finished = True
+                    self._route_used(message.route)
                 yield message
         finally:
             if not finished and self._stream is not None:
@@ -390,8 +485,10 @@ class AsyncClient:
         self, max_length: int, batch_size: int = 1, active_adapter: str | None = None
     ) -> str:
         opened = await self._request(
-            _open_request(max_length, batch_size, active_adapter), wire.InferenceOpened
+            _open_request(max_length, batch_size, active_adapter, self.routing),
+            wire.InferenceOpened,
         )
+        self._route_used(opened.route)
         return str(opened.session_id)
 
     async def step(self, session: str, hidden_states: torch.Tensor) -> torch.Tensor:

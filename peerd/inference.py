@@ -26,17 +26,20 @@ from peerd.p2p import INFERENCE_PROTOCOL
 from peerd.server import LocalSession
 from peerd.streams import MessageStream, PeerGone
 from peerd.swarm import SwarmView
-from routing.planner import NoRouteError, RouteHop, format_route
+from routing.planner import NoRouteError, RouteHop, format_route, plan_route
 from wire.peer_protocol import CompressionName
 
 log = logging.getLogger(__name__)
 
 # A step of a 135M-parameter span answers in well under a second; a long prefill on a slow
 # volunteer can take longer. Past this the hop counts as failed and is replaced.
+# (RouteOptions.request_timeout overrides it per request.)
 STEP_TIMEOUT_S = 60.0
+# Dialing a server and opening a session on it (RouteOptions.connect_timeout overrides it).
 OPEN_TIMEOUT_S = 10.0
 # How long to wait for the swarm to offer a route (servers may be restarting) before failing.
 ROUTE_WAIT_S = 30.0
+# Failed servers one session replaces before it gives up (RouteOptions.max_retries overrides it).
 MAX_HOP_FAILURES = 8
 
 
@@ -60,6 +63,7 @@ class HopSession:
     stream: MessageStream
     session_id: str
     step_ids: itertools.count = field(default_factory=itertools.count)
+    timeout: float = STEP_TIMEOUT_S
 
     @property
     def peer_id(self) -> str:
@@ -92,7 +96,7 @@ class HopSession:
         )
 
     async def receive_result(self, step_id: int) -> wire.StepResult:
-        reply = await self.stream.receive(STEP_TIMEOUT_S)
+        reply = await self.stream.receive(self.timeout)
         if isinstance(reply, wire.Error):
             raise PeerGone(f"{self.peer_id} refused the step: {reply.message}")
         if not isinstance(reply, wire.StepResult) or reply.step_id != step_id:
@@ -156,9 +160,21 @@ class InferenceSession:
         codec: CompressionName = "raw",
         push: bool = True,
         adapter: str | None = None,
+        routing: wire.RouteOptions | None = None,
     ) -> None:
+        """`routing`: which servers the session may use, how many failed ones it may replace,
+        and how long dialing a hop and each step may take (None: the defaults above)."""
         self.swarm = swarm
         self.adapter = adapter  # a LoRA adapter every hop applies (only servers listing it)
+        routing = routing or wire.RouteOptions()
+        allowed = routing.allowed_servers
+        self.allowed_servers: frozenset[str] | None = (
+            None if allowed is None else frozenset(allowed)
+        )
+        self.blocked_servers = frozenset(routing.blocked_servers)
+        self.max_retries = MAX_HOP_FAILURES if routing.max_retries is None else routing.max_retries
+        self.connect_timeout = routing.connect_timeout or OPEN_TIMEOUT_S
+        self.request_timeout = routing.request_timeout or STEP_TIMEOUT_S
         self.push = push
         self._push_ids = itertools.count(1 << 40)  # apart from each hop's own step ids
         self.max_length = max_length
@@ -298,10 +314,7 @@ class InferenceSession:
             error,
         )
         self.swarm.report_failure(failed.peer_id)
-        if self.failures > MAX_HOP_FAILURES:
-            raise InferenceFailed(
-                f"{self.failures} servers failed during this generation; giving up: {error}"
-            )
+        self._check_retries(error)
         with trio.CancelScope(shield=True):
             await failed.close()
         start, end = failed.hop.start, failed.hop.end
@@ -319,10 +332,7 @@ class InferenceSession:
                 with trio.CancelScope(shield=True):
                     for hop in new_hops:
                         await hop.close()
-                if self.failures > MAX_HOP_FAILURES:
-                    raise InferenceFailed(
-                        f"replacements for blocks {start}:{end} failed: {e}"
-                    ) from e
+                self._check_retries(e)
         self.hops[index : index + 1] = new_hops
         log.info(
             "blocks %d:%d moved from %s to %s: %d tokens replayed in %.2f s",
@@ -333,6 +343,15 @@ class InferenceSession:
             0 if history is None else int(history.shape[1]),
             time.perf_counter() - started,
         )
+
+    def _check_retries(self, error: Exception) -> None:
+        """Give up once more servers failed than max_retries allows replacing."""
+        if self.failures > self.max_retries:
+            raise InferenceFailed(
+                f"{self.failures} server failure(s) in this session, more than max_retries="
+                f"{self.max_retries} allows; giving up (last: {error}). Retry, or allow more "
+                "retries"
+            ) from error
 
     async def _replay(self, hops: list[Hop], start: int, history: torch.Tensor | None) -> None:
         """Rebuild the caches of fresh hops over blocks from `start` by running the remembered
@@ -367,7 +386,8 @@ class InferenceSession:
                     start,
                     end,
                     min_free_cache_tokens=self.batch_size * self.max_length,
-                    blocked_servers=refused,
+                    allowed_servers=self.allowed_servers,
+                    blocked_servers=refused | self.blocked_servers,
                     adapter=self.adapter,
                 )
             except NoRouteError as e:
@@ -375,6 +395,7 @@ class InferenceSession:
                     raise InferenceFailed(str(e)) from e
                 refused.clear()  # try the busy ones again after a pause
                 await self.swarm.refresh()
+                self._check_allowed_cover(start, end)
                 await trio.sleep(0.5)
                 continue
             opened: list[Hop] = []
@@ -389,13 +410,32 @@ class InferenceSession:
                     refused.add(bad)
                 else:
                     self.swarm.report_failure(bad)
+                    self.failures += 1
                 with trio.CancelScope(shield=True):
                     for hop_session in opened:
                         await hop_session.close()
+                self._check_retries(e)
                 if trio.current_time() > deadline:
                     raise InferenceFailed(
                         f"could not open a route over blocks {start}:{end}: {e}"
                     ) from e
+
+    def _check_allowed_cover(self, start: int, end: int) -> None:
+        """Raise NoRouteError at once when the caller's allowed_servers leave some of blocks
+        [start, end) to servers outside it: waiting for the swarm cannot fix that."""
+        if self.allowed_servers is None:
+            return
+        try:
+            plan_route(
+                self.swarm.snapshot(),
+                start,
+                end,
+                allowed_servers=self.allowed_servers,
+                blocked_servers=self.blocked_servers,
+            )
+        except NoRouteError as e:
+            if e.due_to_allowed_servers:
+                raise
 
     async def _open_hop(self, hop: RouteHop) -> Hop:
         request = wire.OpenSession(
@@ -416,15 +456,18 @@ class InferenceSession:
                 raise HopRefused(f"our own server refused the session: {e}") from e
         peer = ID.from_base58(hop.peer_id)
         self.swarm.node.remember(peer, hop.record.addrs)
-        with trio.fail_after(OPEN_TIMEOUT_S):
+        deadline = trio.current_time() + self.connect_timeout
+        with trio.fail_after(self.connect_timeout):
             raw = await self.swarm.node.host.new_stream(peer, [INFERENCE_PROTOCOL])
         stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
         await stream.send(request)
-        reply = await stream.receive(OPEN_TIMEOUT_S)
+        reply = await stream.receive(max(0.0, deadline - trio.current_time()))
         if isinstance(reply, wire.Error):
             await stream.close()
             raise HopRefused(f"{hop.peer_id} refused the session: {reply.message}")
         if not isinstance(reply, wire.SessionOpened):
             await stream.close()
             raise wire.ProtocolError(f"expected SessionOpened, got {type(reply).__name__}")
-        return HopSession(hop=hop, stream=stream, session_id=request.session_id)
+        return HopSession(
+            hop=hop, stream=stream, session_id=request.session_id, timeout=self.request_timeout
+        )

@@ -17,7 +17,7 @@ the local API does not offer, so they raise `UnsupportedGeneration`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +60,17 @@ class DaemonConnection:
     a broken reply) leaves the connection out of step, its reply still unread: it is then dropped,
     which frees its sessions on the daemon, and opened afresh on next use."""
 
-    def __init__(self, path: str | Path | None, timeout: float) -> None:
-        self._client: Client | None = Client(path, timeout=timeout)
+    def __init__(self, path: str | Path | None, timeout: float, **routing: Any) -> None:
+        """`routing`: Client's show_route and routing controls, for every session it opens."""
+        self._client: Client | None = Client(path, timeout=timeout, **routing)
         self.path = self._client.path
         self.timeout = timeout
+        self.routing = routing
 
     @property
     def client(self) -> Client:
         if self._client is None:
-            self._client = Client(self.path, timeout=self.timeout)
+            self._client = Client(self.path, timeout=self.timeout, **self.routing)
         return self._client
 
     @contextlib.contextmanager
@@ -263,14 +265,24 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         device: torch.device | str = "cpu",
         timeout: float = DEFAULT_TIMEOUT_S,
         active_adapter: str | None = None,
+        allowed_servers: Sequence[str] | None = None,
+        blocked_servers: Sequence[str] = (),
+        max_retries: int | None = None,
+        connect_timeout: float | None = None,
+        request_timeout: float | None = None,
+        show_route: bool = False,
     ) -> DistributedModelForCausalLM:
         """The model served by the daemon on `socket` (default: $PEERD_SOCKET, else the per-user
         socket), with embeddings, final norm and LM head loaded from the local checkpoint
         `model` ("default" or a directory): never its blocks. With `active_adapter`, every
         session runs with that LoRA adapter, only through servers that have it.
 
-        Raises peerd.client.DaemonNotRunning when no daemon answers, and ModelMismatch when the
-        daemon runs another model than `model`.
+        Routing controls apply to every inference session of the model (peerd.client's
+        route_options): allowed_servers / blocked_servers (peer ids), max_retries,
+        connect_timeout, request_timeout; show_route prints each session's route to stderr.
+
+        Raises peerd.client.DaemonNotRunning when no daemon answers, ModelMismatch when the
+        daemon runs another model than `model`, and BadRouteOptions for a malformed peer id.
         """
         if int(transformers.__version__.split(".")[0]) < 5:
             raise ImportError(
@@ -279,7 +291,16 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             )
         checkpoint = blocks.resolve_checkpoint(model)
         config = blocks.load_config(checkpoint)
-        daemon = DaemonConnection(socket, timeout=timeout)
+        daemon = DaemonConnection(
+            socket,
+            timeout=timeout,
+            allowed_servers=allowed_servers,
+            blocked_servers=blocked_servers,
+            max_retries=max_retries,
+            connect_timeout=connect_timeout,
+            request_timeout=request_timeout,
+            show_route=show_route,
+        )
         try:
             _check_same_model(daemon.client, checkpoint, config)
             client_side = blocks.load_client_side(checkpoint, dtype=dtype, device=device)
