@@ -138,6 +138,10 @@ class _Connection:
         self.sessions: dict[str, ApiSession] = {}
         self.requests: trio.MemorySendChannel[wire.Message]
         self._generation: trio.CancelScope | None = None
+        # Generate requests read but not started yet, and whether a Cancel came for the next one
+        # (a client may send Cancel before the daemon got round to its Generate).
+        self._generates_queued = 0
+        self._cancel_queued = False
         self._send_lock = trio.Lock()
 
     async def send(self, message: wire.Message) -> None:
@@ -177,7 +181,11 @@ class _Connection:
                 if isinstance(message, wire.Cancel):
                     if self._generation is not None:
                         self._generation.cancel()
+                    elif self._generates_queued:
+                        self._cancel_queued = True
                     continue
+                if isinstance(message, wire.Generate):
+                    self._generates_queued += 1
                 await requests.send(message)
 
     async def _refuse_bytes(self, error: wire.ProtocolError) -> None:
@@ -208,7 +216,11 @@ class _Connection:
         elif isinstance(message, wire.StatusRequest):
             await self.send(self.api._status())
         elif isinstance(message, wire.Generate):
-            await self._generate(message)
+            try:
+                await self._generate(message)
+            finally:
+                self._generates_queued -= 1
+                self._cancel_queued = False
         elif isinstance(message, wire.OpenInference):
             await self._open_inference(message)
         elif isinstance(message, wire.InferenceStep):
@@ -307,6 +319,8 @@ class _Connection:
         route: tuple[str, ...] = ()
         with trio.CancelScope() as scope:
             self._generation = scope
+            if self._cancel_queued:  # the client cancelled before we started
+                scope.cancel()
             async with contextlib.AsyncExitStack() as own:
                 if session is not None:
                     inference = session.inference

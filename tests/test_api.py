@@ -206,3 +206,19 @@ def test_peerd_status_shows_coverage_and_servers(swarm: LocalSwarm) -> None:
 
     status = json.loads(as_json)
     assert sorted((s["start"], s["end"]) for s in status["swarm"]) == [(0, 10), (10, 20), (20, 30)]
+
+
+def test_cancel_sent_right_behind_its_generate_stops_it(swarm: LocalSwarm) -> None:
+    """The daemon may read Cancel before it starts the Generate ahead of it (a Ctrl-C at once on
+    a busy machine): the generation must still stop, not run to max_new_tokens."""
+    with Client(swarm.daemons[0].socket) as client:
+        generate = wire.Generate(prompt="Write a very long story.", max_new_tokens=200)
+        client._sock.sendall(
+            bytes(wire.encode_message(generate)) + bytes(wire.encode_message(wire.Cancel()))
+        )
+        while not isinstance(message := client._receive(), wire.GenerateDone):
+            pass
+        assert message.reason == "cancelled"
+        assert message.token_count < 200
+        # The connection goes on, and the next generation is not cancelled by the old Cancel.
+        assert client.generate_full("Once upon a time", max_new_tokens=3).reason == "length"
