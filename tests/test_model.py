@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import blocks
-from peerd.client import DaemonNotRunning
+from peerd.client import BadRouteOptions, DaemonNotRunning
 from peerd.localswarm import LocalSwarm
 from peerd.model import (
     AutoDistributedModelForCausalLM,
@@ -178,3 +178,28 @@ def test_a_daemon_running_another_model_is_refused(swarm: LocalSwarm, tmp_path: 
         (other / file.name).symlink_to(file)
     with pytest.raises(ModelMismatch, match="runs smollm2-135m-instruct, not other-model"):
         AutoDistributedModelForCausalLM.from_pretrained(other, socket=swarm.daemons[0].socket)
+
+
+def test_routing_controls_reach_every_session(
+    swarm: LocalSwarm, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a, b, c = swarm.daemons
+    with pytest.raises(BadRouteOptions, match="'nope' is not a peer id"):
+        AutoDistributedModelForCausalLM.from_pretrained(
+            "default", socket=a.socket, blocked_servers=["nope"]
+        )
+    routed = AutoDistributedModelForCausalLM.from_pretrained(
+        "default",
+        socket=a.socket,
+        allowed_servers=[a.peer_id, b.peer_id, c.peer_id],
+        max_retries=1,
+        request_timeout=30,
+        show_route=True,
+    )
+    try:
+        ids = routed.tokenizer("Once upon a time", return_tensors="pt")["input_ids"]
+        assert routed.generate(ids, max_new_tokens=2).shape[1] == ids.shape[1] + 2
+    finally:
+        routed.close()
+    route = f"route: {a.peer_id}[0:10) -> {b.peer_id}[10:20) -> {c.peer_id}[20:30)"
+    assert route in capsys.readouterr().err
