@@ -14,6 +14,7 @@ from blocks.cache import KVCache, SpanSession
 from blocks.checkpoint import CheckpointTensors, load_config, model_name, resolve_checkpoint
 from blocks.families import Family, family_of, prepare_config
 from blocks.lora import AdapterError, AdapterInfo, attach_adapter, read_adapter, use_adapter
+from wire.peer_protocol import check_prompts
 
 # Prompts longer than this go through the span in pieces, so activation memory stays bounded.
 PREFILL_CHUNK_TOKENS = 512
@@ -86,12 +87,16 @@ class Span(nn.Module):
         hidden_states: torch.Tensor,
         session: SpanSession | None = None,
         adapter: str | None = None,
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """hidden_states [batch, tokens, hidden] -> the same after this span's blocks.
 
         With a session, the tokens continue its sequence at session.position and their keys and
         values are cached (inference mode, in chunks of chunk_tokens); without one they are a
-        whole sequence from position 0, in one piece, and gradients flow back to hidden_states.
+        whole sequence from position 0, in one piece, and gradients flow back to hidden_states
+        and to `prompts`: deep prompts [blocks, batch or 1, prefix, hidden], the one of each
+        block added to the first `prefix` positions of that block's input (Petals' deep prompt
+        tuning; a batch of 1 is shared by every sequence).
         `adapter` names a LoRA adapter of this span to apply (a session must keep to one).
         """
         if adapter is not None and adapter not in self.adapters:
@@ -101,12 +106,22 @@ class Span(nn.Module):
                 "`peerd start --adapters DIR`"
             )
         with use_adapter(adapter):
-            return self._forward(hidden_states, session)
+            return self._forward(hidden_states, session, prompts)
 
-    def _forward(self, hidden_states: torch.Tensor, session: SpanSession | None) -> torch.Tensor:
+    def _forward(
+        self,
+        hidden_states: torch.Tensor,
+        session: SpanSession | None,
+        prompts: torch.Tensor | None,
+    ) -> torch.Tensor:
         hidden_states = hidden_states.to(device=self.device, dtype=self.dtype)
         if session is None:
-            return self._run_blocks(hidden_states, None, past_length=0)
+            if prompts is not None:
+                check_prompts(prompts, hidden_states, self.num_blocks)
+                prompts = prompts.to(device=self.device, dtype=self.dtype)
+            return self._run_blocks(hidden_states, None, past_length=0, prompts=prompts)
+        if prompts is not None:
+            raise ValueError("deep prompts go with cache-less passes only, not a session's steps")
         batch_size, new_tokens = hidden_states.shape[:2]
         if batch_size != session.batch_size:
             raise ValueError(
@@ -132,11 +147,19 @@ class Span(nn.Module):
             session.release()
 
     def _run_blocks(
-        self, hidden: torch.Tensor, kv: KVCache | None, past_length: int
+        self,
+        hidden: torch.Tensor,
+        kv: KVCache | None,
+        past_length: int,
+        prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         inputs = self.family.layer_inputs(self.config, self.rotary, hidden, past_length)
         inputs[self.family.cache_kwarg] = kv
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
+            if prompts is not None:
+                prefix = prompts.shape[2]
+                # Out of place, so autograd sees the addition (and the caller's tensor is kept).
+                hidden = torch.cat([hidden[:, :prefix] + prompts[index], hidden[:, prefix:]], 1)
             output = layer(hidden, **inputs)
             # Llama-style layers return the hidden states; bloom/falcon (hidden, attentions).
             hidden = output[0] if isinstance(output, tuple) else output

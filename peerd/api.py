@@ -3,7 +3,8 @@
 One connection is one client. It says Hello, then sends requests one at a time: Generate
 (answered by a GeneratedToken per token, then GenerateDone; Cancel stops it), OpenInference /
 InferenceStep / CloseInference (hidden states through every block, for the transformers-compatible
-model), and StatusRequest. Sessions a connection opens die with it. A malformed request gets an
+model), TrainingForward / TrainingBackward (cache-less passes for fine-tuning, peerd.training),
+and StatusRequest. Sessions a connection opens die with it. A malformed request gets an
 Error reply and, when the framing itself is broken, the connection is closed; the daemon and its
 other clients go on. The spec is docs/api.md.
 """
@@ -29,6 +30,7 @@ from peerd import __version__
 from peerd.generation import Generator, SamplingParams
 from peerd.inference import AdapterUnavailable, InferenceFailed, InferenceSession
 from peerd.server import record_to_info
+from peerd.training import Trainer
 from routing.planner import NoRouteError
 
 log = logging.getLogger(__name__)
@@ -136,6 +138,7 @@ class _Connection:
         self.stream = stream
         self.decoder = wire.MessageDecoder()
         self.sessions: dict[str, ApiSession] = {}
+        self.trainer: Trainer | None = None  # made on the first training request
         self.requests: trio.MemorySendChannel[wire.Message]
         self._generation: trio.CancelScope | None = None
         # Generate requests read but not started yet, and whether a Cancel came for the next one
@@ -225,6 +228,10 @@ class _Connection:
             await self._open_inference(message)
         elif isinstance(message, wire.InferenceStep):
             await self._inference_step(message)
+        elif isinstance(message, wire.TrainingForward):
+            await self._training_forward(message)
+        elif isinstance(message, wire.TrainingBackward):
+            await self._training_backward(message)
         elif isinstance(message, wire.CloseInference):
             session = self.sessions.pop(message.session_id, None)
             if session is None:
@@ -235,7 +242,8 @@ class _Connection:
             raise ApiError(
                 "bad_request",
                 f"{type(message).__name__} is not a local API request; send Hello, Generate, "
-                "OpenInference, InferenceStep, CloseInference, Cancel or StatusRequest",
+                "OpenInference, InferenceStep, CloseInference, TrainingForward, TrainingBackward, "
+                "Cancel or StatusRequest",
             )
 
     # --- sessions ---------------------------------------------------------------------------
@@ -271,6 +279,40 @@ class _Connection:
             raise ApiError("bad_request", str(e)) from e
         await self.send(
             wire.InferenceOutput(hidden_states=output, position=session.inference.position)
+        )
+
+    # --- training ---------------------------------------------------------------------------
+
+    async def _trainer(self) -> Trainer:
+        if self.trainer is None:
+            generator: Generator = await self.api._get_generator()
+            self.trainer = Trainer(generator.swarm)
+        return self.trainer
+
+    async def _training_forward(self, request: wire.TrainingForward) -> None:
+        trainer = await self._trainer()
+        try:
+            output, forward_id, route = await trainer.forward(
+                request.hidden_states, request.prompts, request.keep
+            )
+        except ValueError as e:
+            raise ApiError("bad_request", str(e)) from e
+        await self.send(
+            wire.TrainingOutput(hidden_states=output, forward_id=forward_id, route=route)
+        )
+
+    async def _training_backward(self, request: wire.TrainingBackward) -> None:
+        trainer = await self._trainer()
+        try:
+            grad_inputs, grad_prompts, route = await trainer.backward(
+                request.forward_id, request.grad_outputs
+            )
+        except KeyError as e:
+            raise ApiError("forward_not_found", str(e.args[0])) from e
+        except ValueError as e:
+            raise ApiError("bad_request", str(e)) from e
+        await self.send(
+            wire.TrainingGradients(grad_inputs=grad_inputs, grad_prompts=grad_prompts, route=route)
         )
 
     # --- generation -------------------------------------------------------------------------

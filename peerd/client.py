@@ -369,6 +369,27 @@ class Client(_RouteControls):
     def close_session(self, session: str) -> None:
         self._request(wire.CloseInference(session_id=session), wire.InferenceClosed)
 
+    # --- training ---------------------------------------------------------------------------
+
+    def training_forward(
+        self, hidden_states: torch.Tensor, prompts: torch.Tensor | None = None, keep: bool = True
+    ) -> wire.TrainingOutput:
+        """A cache-less pass through every block (deep `prompts`: [blocks, batch or 1, prefix,
+        hidden]); with `keep`, its `forward_id` names it for one training_backward."""
+        return self._request(
+            wire.TrainingForward(hidden_states=hidden_states, prompts=prompts, keep=keep),
+            wire.TrainingOutput,
+        )
+
+    def training_backward(
+        self, forward_id: str, grad_outputs: torch.Tensor
+    ) -> wire.TrainingGradients:
+        """Gradients of a kept training_forward's inputs and prompts, given its outputs'."""
+        return self._request(
+            wire.TrainingBackward(forward_id=forward_id, grad_outputs=grad_outputs),
+            wire.TrainingGradients,
+        )
+
 
 class AsyncClient(_RouteControls):
     """The same calls as Client, as coroutines on anyio (trio or asyncio)."""

@@ -26,6 +26,7 @@ from peerd.p2p import (
     INFERENCE_PROTOCOL,
     INFO_PROTOCOL,
     PUSH_PROTOCOL,
+    TRAINING_PROTOCOL,
     Node,
     join_discovered_peers,
     open_node,
@@ -238,6 +239,7 @@ class Daemon:
         await self._load_and_go_online(start, end)
         self.node.host.set_stream_handler(INFERENCE_PROTOCOL, server.handle_inference)
         self.node.host.set_stream_handler(PUSH_PROTOCOL, server.handle_push)
+        self.node.host.set_stream_handler(TRAINING_PROTOCOL, server.handle_training)
         if kind != "span":
             nursery.start_soon(self._rebalance_forever)
 

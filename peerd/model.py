@@ -19,10 +19,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import transformers
+from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.generation.configuration_utils import GenerationMode
@@ -41,6 +42,11 @@ _NO_REWIND = (
 _NO_BEAMS = (
     "beam search needs the servers to reorder their KV caches between steps, which the local "
     "API does not offer: use greedy decoding (do_sample=False) or sampling (do_sample=True)"
+)
+
+_NO_TUNED_SESSIONS = (
+    "a prompt-tuned model runs cache-less passes only: inference sessions (and so generate) do "
+    "not carry trained prompts yet; evaluate with model(input_ids).logits"
 )
 
 # Errors after which the connection's byte stream can no longer be trusted.
@@ -218,6 +224,50 @@ class RemoteSession(Cache):
         raise UnsupportedGeneration(_NO_BEAMS)
 
 
+TuningMode = Literal["ptune", "deep_ptune"]
+TUNING_MODES = ("ptune", "deep_ptune")
+
+
+class RemoteBlocks(torch.autograd.Function):
+    """Every decoder block as one differentiable function, computed by the swarm: forward is a
+    TrainingForward through the local daemon (which keeps each hop's input), backward the
+    matching TrainingBackward (each server recomputes its span and returns input gradients)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: torch.Tensor, prompts: torch.Tensor | None, daemon: DaemonConnection
+    ) -> torch.Tensor:
+        with daemon.request() as client:
+            output = client.training_forward(
+                hidden.detach(), None if prompts is None else prompts.detach(), keep=True
+            )
+        ctx.daemon = daemon
+        ctx.forward_id = output.forward_id
+        ctx.route = output.route
+        return output.hidden_states
+
+    @staticmethod
+    def backward(
+        ctx: Any, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+        with ctx.daemon.request() as client:
+            grads = client.training_backward(ctx.forward_id, grad_output.contiguous())
+        return grads.grad_inputs, grads.grad_prompts, None
+
+
+def remote_blocks(
+    daemon: DaemonConnection, hidden: torch.Tensor, prompts: torch.Tensor | None
+) -> torch.Tensor:
+    """Hidden states after the embeddings -> after the last block, cache-less, on a training
+    route; differentiable in `hidden` and the deep `prompts` when autograd needs them."""
+    wants_grad = hidden.requires_grad or (prompts is not None and prompts.requires_grad)
+    if torch.is_grad_enabled() and wants_grad:
+        output: torch.Tensor = RemoteBlocks.apply(hidden, prompts, daemon)
+        return output
+    with daemon.request() as client:
+        return client.training_forward(hidden, prompts, keep=False).hidden_states
+
+
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     """A causal LM whose decoder blocks are served by the swarm. Build it with `from_pretrained`.
 
@@ -227,6 +277,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     embeddings' output (`hidden_states[0]`, as in transformers) and the last hidden state after
     the final norm (`hidden_states[-1]`, as in transformers); the blocks' intermediate outputs
     stay on the servers. Attention weights are not available.
+
+    Prompt tuning (`tuning_mode="ptune"` or `"deep_ptune"`, `pre_seq_len=N`): the model holds
+    trainable `prompt_embeddings` [N, hidden], prepended to every input, and with deep_ptune also
+    `intermediate_prompt_embeddings` [blocks, N, hidden] (zeros at first), block i's added to the
+    first N positions of its input on the server that runs it. Forward passes then go through the
+    swarm without a cache, `loss.backward()` reaches the prompts through the servers, and the
+    outputs (logits, hidden states, loss) cover the given tokens only, not the N prefix positions.
+    Only these prompts are trainable: every other weight is frozen (docs/finetuning.md).
     """
 
     main_input_name = "input_ids"
@@ -243,6 +301,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         daemon: DaemonConnection,
         generation_config: GenerationConfig | None = None,
         active_adapter: str | None = None,
+        tuning_mode: TuningMode | None = None,
+        pre_seq_len: int = 0,
     ) -> None:
         super().__init__(config)
         self.client_side = client_side
@@ -253,6 +313,21 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         self.active_session: RemoteSession | None = None
         if generation_config is not None:
             self.generation_config = generation_config
+        self.tuning_mode = tuning_mode
+        self.pre_seq_len = _check_tuning(tuning_mode, pre_seq_len)
+        self.prompt_embeddings: nn.Parameter | None = None
+        self.intermediate_prompt_embeddings: nn.Parameter | None = None
+        if tuning_mode is not None:
+            weight = client_side.embeddings.weight
+            hidden, blocks_count = int(config.hidden_size), int(config.num_hidden_layers)
+            std = float(getattr(config, "initializer_range", 0.02))
+            self.prompt_embeddings = nn.Parameter(
+                torch.randn(pre_seq_len, hidden, dtype=weight.dtype, device=weight.device) * std
+            )
+            if tuning_mode == "deep_ptune":
+                self.intermediate_prompt_embeddings = nn.Parameter(
+                    weight.new_zeros(blocks_count, pre_seq_len, hidden)
+                )
         self.post_init()
 
     @classmethod
@@ -271,11 +346,15 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         connect_timeout: float | None = None,
         request_timeout: float | None = None,
         show_route: bool = False,
+        tuning_mode: TuningMode | None = None,
+        pre_seq_len: int = 0,
     ) -> DistributedModelForCausalLM:
         """The model served by the daemon on `socket` (default: $PEERD_SOCKET, else the per-user
         socket), with embeddings, final norm and LM head loaded from the local checkpoint
         `model` ("default" or a directory): never its blocks. With `active_adapter`, every
-        session runs with that LoRA adapter, only through servers that have it.
+        session runs with that LoRA adapter, only through servers that have it. `tuning_mode`
+        ("ptune" or "deep_ptune") with `pre_seq_len` adds trainable prompts (see the class
+        docstring).
 
         Routing controls apply to every inference session of the model (peerd.client's
         route_options): allowed_servers / blocked_servers (peer ids), max_retries,
@@ -289,6 +368,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 f"peerd.model needs transformers 5 or later (its generate hands the KV cache "
                 f"to the model as `cache`), not {transformers.__version__}: upgrade transformers"
             )
+        _check_tuning(tuning_mode, pre_seq_len)
         checkpoint = blocks.resolve_checkpoint(model)
         config = blocks.load_config(checkpoint)
         daemon = DaemonConnection(
@@ -310,7 +390,15 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         generation_config = None
         if (checkpoint / "generation_config.json").is_file():
             generation_config = GenerationConfig.from_pretrained(checkpoint, local_files_only=True)
-        return cls(client_side.config, client_side, daemon, generation_config, active_adapter)
+        return cls(
+            client_side.config,
+            client_side,
+            daemon,
+            generation_config,
+            active_adapter,
+            tuning_mode=tuning_mode,
+            pre_seq_len=pre_seq_len,
+        )
 
     def _init_weights(self, module: torch.nn.Module) -> None:
         """Nothing to initialise: every local weight comes from the checkpoint."""
@@ -388,19 +476,29 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 f"the KV cache lives on the servers: pass a RemoteSession from "
                 f"model.inference_session(), not a {type(cache).__name__}"
             )
+        if self.tuning_mode is not None:
+            return self._tuned_forward(
+                input_ids, inputs_embeds, cache, labels, output_hidden_states, return_dict
+            )
         if inputs_embeds is not None:
             embed_norm = self.client_side.embed_norm
             hidden_in = embed_norm(inputs_embeds) if embed_norm is not None else inputs_embeds
         else:
             assert input_ids is not None
             hidden_in = self.client_side.embed(input_ids)
+        if cache is None and torch.is_grad_enabled() and hidden_in.requires_grad:
+            # Gradients wanted (of inputs_embeds): a cache-less pass that autograd goes back
+            # through (a session step's servers keep no autograd graph).
+            hidden_out = remote_blocks(self.daemon, hidden_in.to("cpu", torch.float32), None)
+            return self._outputs(
+                hidden_in, hidden_out, None, labels, 0, output_hidden_states, return_dict
+            )
         past = cache.position if cache is not None else 0
         if position_ids is not None and int(position_ids[..., 0].min()) != past:
             raise ValueError(
                 f"these tokens start at position {int(position_ids[..., 0].min())}, but the "
                 f"servers hold {past}: give only the tokens the session has not seen"
             )
-        weight = self.client_side.lm_head.weight
         to_send = hidden_in.to("cpu", torch.float32)
         if cache is not None:
             hidden_out = cache.step(to_send, input_ids)
@@ -412,6 +510,22 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 adapter=self.active_adapter,
             ) as own:
                 hidden_out = own.step(to_send, input_ids)
+        return self._outputs(
+            hidden_in, hidden_out, cache, labels, logits_to_keep, output_hidden_states, return_dict
+        )
+
+    def _outputs(
+        self,
+        hidden_in: torch.Tensor,
+        hidden_out: torch.Tensor,
+        cache: RemoteSession | None,
+        labels: torch.LongTensor | None,
+        logits_to_keep: int,
+        output_hidden_states: bool | None,
+        return_dict: bool | None,
+    ) -> CausalLMOutputWithPast | tuple[Any, ...]:
+        """Final norm, LM head and loss on the last block's output."""
+        weight = self.client_side.lm_head.weight
         last_hidden = self.client_side.final_norm(hidden_out.to(weight.device, weight.dtype))
         kept = last_hidden[:, -logits_to_keep:] if logits_to_keep else last_hidden
         logits = self.client_side.lm_head(kept)
@@ -427,6 +541,44 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             hidden_states=(hidden_in, last_hidden) if output_hidden_states else None,
         )
         return output.to_tuple() if return_dict is False else output
+
+    def _tuned_forward(
+        self,
+        input_ids: torch.LongTensor | None,
+        inputs_embeds: torch.Tensor | None,
+        cache: Cache | None,
+        labels: torch.LongTensor | None,
+        output_hidden_states: bool | None,
+        return_dict: bool | None,
+    ) -> CausalLMOutputWithPast | tuple[Any, ...]:
+        """A forward with the trained prompts: the shallow ones before the tokens, the deep ones
+        sent along for every block, the prefix positions cut from the outputs."""
+        if cache is not None:
+            raise UnsupportedGeneration(_NO_TUNED_SESSIONS)
+        assert self.prompt_embeddings is not None
+        if inputs_embeds is None:
+            assert input_ids is not None
+            inputs_embeds = self.client_side.embeddings(
+                input_ids.to(self.client_side.embeddings.weight.device)
+            )
+        batch = inputs_embeds.shape[0]
+        shallow = self.prompt_embeddings.unsqueeze(0).expand(batch, -1, -1)
+        embeds = torch.cat([shallow.to(inputs_embeds.dtype), inputs_embeds], dim=1)
+        embed_norm = self.client_side.embed_norm
+        hidden_in = embed_norm(embeds) if embed_norm is not None else embeds
+        deep = self.intermediate_prompt_embeddings
+        prompts = None if deep is None else deep.unsqueeze(1).to("cpu", torch.float32)
+        hidden_out = remote_blocks(self.daemon, hidden_in.to("cpu", torch.float32), prompts)
+        prefix = self.pre_seq_len
+        return self._outputs(
+            hidden_in[:, prefix:],
+            hidden_out[:, prefix:],
+            None,
+            labels,
+            0,
+            output_hidden_states,
+            return_dict,
+        )
 
     # --- generation -------------------------------------------------------------------------
 
@@ -445,6 +597,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         and the result is the whole sequence so far. Otherwise the call opens a session sized
         prompt + max_new_tokens and closes it at the end.
         """
+        if self.tuning_mode is not None:
+            raise UnsupportedGeneration(_NO_TUNED_SESSIONS)
         if inputs is None:
             inputs = kwargs.pop("input_ids", None)
         # The settings generate itself will use (its own resolution of defaults and kwargs).
@@ -547,6 +701,19 @@ def _batch_size(inputs: torch.Tensor | None, kwargs: dict[str, Any]) -> int:
     if kwargs.get("inputs_embeds") is not None:
         return int(kwargs["inputs_embeds"].shape[0])
     return 1
+
+
+def _check_tuning(tuning_mode: str | None, pre_seq_len: int) -> int:
+    """pre_seq_len, checked against tuning_mode; ValueError says what to pass."""
+    if tuning_mode is None:
+        if pre_seq_len:
+            raise ValueError("pre_seq_len needs a tuning_mode: 'ptune' or 'deep_ptune'")
+        return 0
+    if tuning_mode not in TUNING_MODES:
+        raise ValueError(f"tuning_mode must be 'ptune' or 'deep_ptune', not {tuning_mode!r}")
+    if pre_seq_len < 1:
+        raise ValueError(f"tuning_mode {tuning_mode!r} needs pre_seq_len >= 1 prompt positions")
+    return pre_seq_len
 
 
 def _check_same_model(client: Client, checkpoint: Path, config: PretrainedConfig) -> None:

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 INFO_PROTOCOL = TProtocol("/peerd/info/1.0.0")
 INFERENCE_PROTOCOL = TProtocol("/peerd/inference/1.0.0")
 PUSH_PROTOCOL = TProtocol("/peerd/push/1.0.0")
+TRAINING_PROTOCOL = TProtocol("/peerd/training/1.0.0")
 
 
 class BadMultiaddr(ValueError):

@@ -21,7 +21,7 @@ from libp2p.peer.id import ID
 import wire
 from blocks import CacheFull, MemoryCache, Span, SpanSession
 from peerd import __version__
-from peerd.compute import PRIORITY_INFERENCE, ComputeQueue
+from peerd.compute import PRIORITY_INFERENCE, PRIORITY_TRAINING, ComputeQueue
 from peerd.p2p import PUSH_PROTOCOL, Node
 from peerd.streams import Idle, MessageStream, PeerGone
 from routing.records import ServerRecord, ServerState
@@ -51,6 +51,9 @@ class ServerLimits:
     # A daemon opens one session per local client on every hop, so one peer may carry many
     # users (a gateway, a shared daemon).
     max_sessions_per_peer: int = 64
+    # Activations of a cache-less pass grow with batch x tokens; autograd keeps them all for the
+    # backward. 8192 x 576 fp32 x ~20 saved tensors per block stays within a few GiB per span.
+    max_training_tokens: int = 8192
 
 
 @dataclass
@@ -59,6 +62,7 @@ class ServerCounters:
     sessions_refused: int = 0
     steps: int = 0
     tokens_processed: int = 0
+    training_passes: int = 0  # forward and backward requests run
     errors: dict[str, int] = field(default_factory=dict)
 
     def error(self, code: str) -> None:
@@ -366,6 +370,77 @@ class BlockServer:
             self._push_streams[target.peer_id] = stream
         return stream
 
+    # --- training: cache-less forward and backward ----------------------------------------
+
+    async def handle_training(self, stream: INetStream) -> None:
+        """Forward and Backward requests, each answered in turn, until the client closes the
+        stream or goes quiet. A bad request gets an Error and the stream goes on."""
+        messages = MessageStream(stream, self.limits.max_frame_size)
+        try:
+            while True:
+                request = await messages.receive(SESSION_IDLE_TIMEOUT_S)
+                if not isinstance(request, wire.Forward | wire.Backward):
+                    await self._refuse(
+                        messages,
+                        "bad_request",
+                        f"expected Forward or Backward on the training protocol, got "
+                        f"{type(request).__name__}",
+                    )
+                    continue
+                try:
+                    reply = await self.run_training(request)
+                except wire.ProtocolError as e:
+                    await self._refuse(messages, "bad_request", str(e))
+                    continue
+                await messages.send(reply, request.reply_compression)
+        except wire.ProtocolError as e:  # framing broke: the stream cannot be trusted
+            await self._refuse(messages, "bad_request", str(e))
+        except PeerGone as e:
+            log.debug("training stream from %s ended: %s", messages.remote_peer, e)
+        finally:
+            await messages.close()
+
+    async def run_training(
+        self, request: wire.Forward | wire.Backward
+    ) -> wire.ForwardResult | wire.BackwardResult:
+        """Check a Forward or Backward against this server's blocks and limits, then run it on
+        the compute queue behind any inference step. ProtocolError says what was wrong."""
+        if request.model != self.model:
+            raise wire.ProtocolError(
+                f"this server serves model {self.model!r}, not {request.model!r}"
+            )
+        if self.span is None or not (self.start <= request.start < request.end <= self.end):
+            raise wire.ProtocolError(
+                f"this server holds blocks {self.start}:{self.end} of {self.model} "
+                f"({self.state.value}); it cannot run blocks {request.start}:{request.end}"
+            )
+        batch, tokens, width = request.hidden_states.shape
+        if width != self.hidden_size:
+            raise wire.ProtocolError(f"hidden_states must be {self.hidden_size} wide, got {width}")
+        if batch * tokens > self.limits.max_training_tokens:
+            raise wire.ProtocolError(
+                f"{batch} x {tokens} tokens exceed this server's limit of "
+                f"{self.limits.max_training_tokens} per training request: send smaller "
+                "micro-batches"
+            )
+        span = self._span_for(request.start, request.end)
+        self.counters.training_passes += 1
+        self.counters.tokens_processed += batch * tokens
+        if isinstance(request, wire.Forward):
+            output = await self.compute.run(
+                PRIORITY_TRAINING, _training_forward, span, request.hidden_states, request.prompts
+            )
+            return wire.ForwardResult(hidden_states=output)
+        grad_inputs, grad_prompts = await self.compute.run(
+            PRIORITY_TRAINING,
+            _training_backward,
+            span,
+            request.hidden_states,
+            request.grad_outputs,
+            request.prompts,
+        )
+        return wire.BackwardResult(grad_inputs=grad_inputs, grad_prompts=grad_prompts)
+
     async def run_step(
         self, request: wire.OpenSession, session: SpanSession, message: wire.Step
     ) -> torch.Tensor:
@@ -461,6 +536,29 @@ class BlockServer:
     def drain(self) -> None:
         """Take no new sessions; open ones go on until they end or the daemon stops."""
         self.state = ServerState.DRAINING
+
+
+def _training_forward(
+    span: Span, hidden: torch.Tensor, prompts: torch.Tensor | None
+) -> torch.Tensor:
+    with torch.no_grad():
+        return span(hidden, prompts=prompts)
+
+
+def _training_backward(
+    span: Span, hidden: torch.Tensor, grad_outputs: torch.Tensor, prompts: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Recompute the span's forward with autograd on (the server keeps nothing between a
+    Forward and its Backward), then carry grad_outputs back to the inputs and prompts."""
+    with torch.enable_grad():
+        hidden = hidden.detach().to(span.dtype).requires_grad_(True)
+        leaves = [hidden]
+        if prompts is not None:
+            prompts = prompts.detach().to(span.dtype).requires_grad_(True)
+            leaves.append(prompts)
+        output = span(hidden, prompts=prompts)
+        grads = torch.autograd.grad(output, leaves, grad_outputs.to(output.dtype))
+    return grads[0], grads[1] if prompts is not None else None
 
 
 class LocalSession:

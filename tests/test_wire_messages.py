@@ -47,6 +47,10 @@ from wire import (
     StatusResponse,
     Step,
     StepResult,
+    TrainingBackward,
+    TrainingForward,
+    TrainingGradients,
+    TrainingOutput,
     UnexpectedMessage,
     UnknownMessageType,
     VersionMismatch,
@@ -62,6 +66,7 @@ from wire.peer_protocol import CompressionName
 DOC = Path(__file__).resolve().parent.parent / "docs" / "wire.md"
 
 HIDDEN = torch.randn(2, 3, 8, generator=torch.Generator().manual_seed(0))
+PROMPTS = torch.randn(2, 1, 2, 8, generator=torch.Generator().manual_seed(1))  # 2 blocks, prefix 2
 HOP = NextHop(
     peer_id="12D3KooWB", addrs=("/ip4/10.0.0.2/tcp/4001",), session_id="s2", start=10, end=20
 )
@@ -115,6 +120,11 @@ EXAMPLES: list[Message] = [
     ForwardResult(hidden_states=HIDDEN),
     Backward(model="m", start=3, end=5, hidden_states=HIDDEN, grad_outputs=-HIDDEN),
     BackwardResult(grad_inputs=HIDDEN.to(torch.float16)),
+    Forward(model="m", start=3, end=5, hidden_states=HIDDEN, prompts=PROMPTS),
+    Backward(
+        model="m", start=3, end=5, hidden_states=HIDDEN, grad_outputs=-HIDDEN, prompts=PROMPTS
+    ),
+    BackwardResult(grad_inputs=HIDDEN, grad_prompts=PROMPTS),
     Error(code="session_not_found", message="no session s9 here: open one with OpenSession"),
     Generate(prompt="Once upon a time", max_new_tokens=20),
     Generate(
@@ -147,6 +157,11 @@ EXAMPLES: list[Message] = [
     InferenceOutput(hidden_states=torch.ones(2, 1, 8), position=7),
     CloseInference(session_id="s1"),
     InferenceClosed(session_id="s1"),
+    TrainingForward(hidden_states=HIDDEN, prompts=PROMPTS),
+    TrainingForward(hidden_states=HIDDEN, keep=False),
+    TrainingOutput(hidden_states=HIDDEN, forward_id="f1", route=("12D3KooWA[0:2)",)),
+    TrainingBackward(forward_id="f1", grad_outputs=-HIDDEN),
+    TrainingGradients(grad_inputs=HIDDEN, grad_prompts=PROMPTS, route=("12D3KooWA[0:2)",)),
 ]
 
 

@@ -35,6 +35,10 @@ from wire.local_api import (
     RouteOptions,
     StatusRequest,
     StatusResponse,
+    TrainingBackward,
+    TrainingForward,
+    TrainingGradients,
+    TrainingOutput,
     Welcome,
 )
 from wire.peer_protocol import (
@@ -124,6 +128,10 @@ __all__ = [
     "StatusResponse",
     "Step",
     "StepResult",
+    "TrainingBackward",
+    "TrainingForward",
+    "TrainingGradients",
+    "TrainingOutput",
     "UnexpectedMessage",
     "UnknownMessageType",
     "VersionMismatch",

@@ -3,8 +3,8 @@
 They travel over the daemon's Unix socket in the same frames as the peer protocol
 (docs/wire.md#local-api). A client sends Generate and receives GeneratedToken messages, one per
 token, then GenerateDone; Cancel stops the generation in flight. StatusRequest is answered with
-StatusResponse. A failed request is answered with `wire.peer_protocol.Error`, shared by both
-protocols.
+StatusResponse. TrainingForward / TrainingBackward run cache-less passes for fine-tuning. A
+failed request is answered with `wire.peer_protocol.Error`, shared by both protocols.
 """
 
 from __future__ import annotations
@@ -201,6 +201,46 @@ class CloseInference(Message):
 @message("inference_closed")
 class InferenceClosed(Message):
     session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+
+
+@message("training_forward")
+class TrainingForward(Message):
+    """Run hidden states (after the embeddings) through every block with no KV cache, on a
+    training route; with `keep`, the daemon keeps what TrainingBackward needs under the
+    returned forward_id (docs/finetuning.md)."""
+
+    hidden_states: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+    prompts: torch.Tensor | None = spec(default=None, ndim=4, floating=True)
+    """Deep prompts for every block: [num_blocks, batch or 1, prefix, hidden]."""
+    keep: bool = True
+    """Keep the inputs for a TrainingBackward (False for evaluation: nothing is kept)."""
+
+
+@message("training_output")
+class TrainingOutput(Message):
+    hidden_states: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+    forward_id: str | None = spec(default=None, min_len=1, max_len=MAX_ID_LEN)
+    """Names the kept pass for TrainingBackward (None when the request did not keep it)."""
+    route: tuple[str, ...] = spec(default=(), max_items=4096, max_len=512)
+    """The hops, as "peer_id[start:end)", after any re-routing during the pass."""
+
+
+@message("training_backward")
+class TrainingBackward(Message):
+    """Gradients of a kept TrainingForward's inputs (and deep prompts), given its outputs'
+    gradient. The kept pass is released, whatever the outcome."""
+
+    forward_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
+    grad_outputs: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+
+
+@message("training_gradients")
+class TrainingGradients(Message):
+    grad_inputs: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+    grad_prompts: torch.Tensor | None = spec(default=None, ndim=4, floating=True)
+    """Same shape as the forward's prompts, when it had some."""
+    route: tuple[str, ...] = spec(default=(), max_items=4096, max_len=512)
+    """The hops the backward pass went through (a replacement's, after a failure)."""
 
 
 @message("generated_token")

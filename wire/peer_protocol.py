@@ -3,7 +3,8 @@
 Each message is one frame (docs/wire.md#peer-protocol). A session is opened once per route hop
 (OpenSession -> SessionOpened), then driven one Step per generated token (Step -> StepResult, or
 pushed on to the next hop when the Step names next_hops), then closed. Forward and Backward are
-stateless calls for training and prompt tuning. Any request may be answered with Error.
+stateless calls for training and prompt tuning (any number on one training stream). Any request
+may be answered with Error.
 """
 
 from __future__ import annotations
@@ -175,7 +176,29 @@ class Forward(_Span, Message):
     start: int = spec(ge=0, lt=MAX_BLOCKS)
     end: int = spec(gt=0, le=MAX_BLOCKS)
     hidden_states: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+    prompts: torch.Tensor | None = spec(default=None, ndim=4, floating=True)
+    """Deep prompts [end - start, batch or 1, prefix, hidden]: block i's is added to the first
+    `prefix` positions of its input (docs/finetuning.md)."""
     reply_compression: CompressionName = "raw"
+
+    def check(self) -> None:
+        super().check()
+        check_prompts(self.prompts, self.hidden_states, self.end - self.start)
+
+
+def check_prompts(prompts: torch.Tensor | None, hidden: torch.Tensor, blocks: int) -> None:
+    """ValueError unless `prompts` are deep prompts for `blocks` blocks that can be added to
+    `hidden` [batch, tokens, width]: shape [blocks, batch or 1, prefix <= tokens, width]."""
+    if prompts is None:
+        return
+    batch, tokens, width = hidden.shape
+    shape = tuple(prompts.shape)
+    if shape[0] != blocks or shape[1] not in (1, batch) or shape[2] > tokens or shape[3] != width:
+        raise ValueError(
+            f"deep prompts must have shape [{blocks}, {batch} or 1, prefix <= {tokens}, "
+            f"{width}] for these hidden_states, got {list(shape)}: one [prefix, {width}] prompt "
+            "per block, prefix no longer than the sequence"
+        )
 
 
 @message("forward_result")
@@ -192,6 +215,8 @@ class Backward(_Span, Message):
     end: int = spec(gt=0, le=MAX_BLOCKS)
     hidden_states: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
     grad_outputs: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+    prompts: torch.Tensor | None = spec(default=None, ndim=4, floating=True)
+    """The deep prompts the matching Forward had; their gradient comes back too."""
     reply_compression: CompressionName = "raw"
 
     def check(self) -> None:
@@ -201,11 +226,14 @@ class Backward(_Span, Message):
                 f"grad_outputs shape {list(self.grad_outputs.shape)} must equal hidden_states "
                 f"shape {list(self.hidden_states.shape)}"
             )
+        check_prompts(self.prompts, self.hidden_states, self.end - self.start)
 
 
 @message("backward_result")
 class BackwardResult(Message):
     grad_inputs: torch.Tensor = spec(ndim=3, floating=True)  # [batch, tokens, hidden]
+    grad_prompts: torch.Tensor | None = spec(default=None, ndim=4, floating=True)
+    """Gradient of the Backward's prompts (same shape), when it had prompts."""
 
 
 class ErrorCode:
