@@ -301,3 +301,47 @@ def test_killing_a_server_before_backward_gives_the_same_gradients(
     assert got.grad_prompts is not None
     assert relative_error(got.grad_inputs, expected.grad_inputs) < RELATIVE_TOLERANCE
     assert relative_error(got.grad_prompts, expected.grad_prompts) < RELATIVE_TOLERANCE
+
+
+# --- the default model, on the session's three-daemon swarm ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tuned_default(swarm: LocalSwarm) -> Iterator[Any]:
+    model = AutoDistributedModelForCausalLM.from_pretrained(
+        "default", socket=swarm.daemons[0].socket, tuning_mode="deep_ptune", pre_seq_len=8
+    )
+    try:
+        yield model
+    finally:
+        model.close()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_default_model_prompt_gradients_match_local_autograd(
+    swarm: LocalSwarm, local_model: Any, tuned_default: Any
+) -> None:
+    from peerd.examples_ptune import encode, make_task
+
+    ids, labels = encode(tuned_default.tokenizer, make_task(4, seed=5))
+    check_prompt_parity(tuned_default, local_model, ids, labels, seed=6)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_thirty_steps_of_deep_prompt_tuning_halve_the_loss(tuned_default: Any) -> None:
+    from peerd.examples_ptune import train
+
+    with torch.no_grad():  # a fresh start, whatever the parity test left in the prompts
+        tuned_default.prompt_embeddings.normal_(0, 0.02)
+        tuned_default.intermediate_prompt_embeddings.zero_()
+    report = train(tuned_default, steps=30)
+    (loss0, acc0), (loss1, acc1) = report["before"], report["after"]
+    print(
+        f"\nloss curve: {' '.join(f'{x:.2f}' for x in report['curve'])}\n"
+        f"held-out loss {loss0:.3f} -> {loss1:.3f}, accuracy {acc0:.0%} -> {acc1:.0%}, "
+        f"30 steps in {report['seconds']:.0f} s"
+    )
+    assert loss1 <= loss0 / 2
+    assert acc1 > acc0
