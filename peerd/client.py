@@ -521,3 +521,19 @@ class AsyncClient(_RouteControls):
 
     async def close_session(self, session: str) -> None:
         await self._request(wire.CloseInference(session_id=session), wire.InferenceClosed)
+
+    async def training_forward(
+        self, hidden_states: torch.Tensor, prompts: torch.Tensor | None = None, keep: bool = True
+    ) -> wire.TrainingOutput:
+        return await self._request(
+            wire.TrainingForward(hidden_states=hidden_states, prompts=prompts, keep=keep),
+            wire.TrainingOutput,
+        )
+
+    async def training_backward(
+        self, forward_id: str, grad_outputs: torch.Tensor
+    ) -> wire.TrainingGradients:
+        return await self._request(
+            wire.TrainingBackward(forward_id=forward_id, grad_outputs=grad_outputs),
+            wire.TrainingGradients,
+        )

@@ -265,7 +265,8 @@ def remote_blocks(
         output: torch.Tensor = RemoteBlocks.apply(hidden, prompts, daemon)
         return output
     with daemon.request() as client:
-        return client.training_forward(hidden, prompts, keep=False).hidden_states
+        detached = None if prompts is None else prompts.detach()
+        return client.training_forward(hidden.detach(), detached, keep=False).hidden_states
 
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
@@ -491,7 +492,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             # through (a session step's servers keep no autograd graph).
             hidden_out = remote_blocks(self.daemon, hidden_in.to("cpu", torch.float32), None)
             return self._outputs(
-                hidden_in, hidden_out, None, labels, 0, output_hidden_states, return_dict
+                hidden_in,
+                hidden_out,
+                None,
+                labels,
+                logits_to_keep,
+                output_hidden_states,
+                return_dict,
             )
         past = cache.position if cache is not None else 0
         if position_ids is not None and int(position_ids[..., 0].min()) != past:

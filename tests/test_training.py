@@ -5,18 +5,20 @@ model, with a server killed between forward and backward."""
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import trio
 from transformers import AutoModelForCausalLM
 
 import blocks
 import wire
 from peerd.client import Client, PeerdError
-from peerd.compute import ComputeQueue
+from peerd.compute import PRIORITY_INFERENCE, ComputeQueue
 from peerd.localswarm import LocalSwarm
 from peerd.model import AutoDistributedModelForCausalLM, UnsupportedGeneration
 from peerd.server import BlockServer, ServerLimits, _training_backward, _training_forward
@@ -132,6 +134,30 @@ async def test_server_training_calls_match_the_span(server: BlockServer) -> None
     torch.testing.assert_close(back.grad_prompts, p.grad)
     assert all(not t.requires_grad for t in server.span.parameters())
     assert server.counters.training_passes == 2
+
+
+async def test_training_waits_behind_inference_on_the_compute_queue(server: BlockServer) -> None:
+    order: list[str] = []
+    gate = threading.Event()
+    forward = wire.Forward(model=server.model, start=0, end=4, hidden_states=torch.zeros(1, 3, 32))
+
+    async def train() -> None:
+        await server.run_training(forward)
+        order.append("training")
+
+    async def infer() -> None:
+        await server.compute.run(PRIORITY_INFERENCE, lambda: None)
+        order.append("inference")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.compute.run, PRIORITY_INFERENCE, gate.wait, 5)
+        await trio.sleep(0.05)
+        nursery.start_soon(train)
+        await trio.sleep(0.05)
+        nursery.start_soon(infer)  # asked later, served first
+        await trio.sleep(0.05)
+        gate.set()
+    assert order == ["inference", "training"]
 
 
 @pytest.mark.parametrize(
