@@ -236,7 +236,7 @@ def check_prompt_parity(
     )
     shallow_error = relative_error(distributed.prompt_embeddings.grad, ref_shallow)
     print(
-        f"{distributed.tuning_mode}: loss {float(loss):.6f} vs {ref_loss:.6f}, shallow "
+        f"{distributed.tuning_mode}: loss {float(loss.detach()):.6f} vs {ref_loss:.6f}, shallow "
         f"gradient relative error {shallow_error:.2e}",
         end="",
     )
