@@ -240,7 +240,7 @@ def check_prompt_parity(
         f"gradient relative error {shallow_error:.2e}",
         end="",
     )
-    assert math.isclose(float(loss), ref_loss, rel_tol=1e-5)
+    assert math.isclose(float(loss.detach()), ref_loss, rel_tol=1e-5)
     assert shallow_error < RELATIVE_TOLERANCE
     if ref_deep is not None:
         deep_error = relative_error(distributed.intermediate_prompt_embeddings.grad, ref_deep)
