@@ -243,7 +243,6 @@ class RemoteBlocks(torch.autograd.Function):
             )
         ctx.daemon = daemon
         ctx.forward_id = output.forward_id
-        ctx.route = output.route
         return output.hidden_states
 
     @staticmethod

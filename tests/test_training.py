@@ -177,6 +177,23 @@ async def test_server_refuses_training_it_cannot_do(
         await server.run_training(wire.Forward(**{**request, **change}))
 
 
+@pytest.mark.parametrize(
+    ("mode", "length", "match"),
+    [
+        ("lora", 4, "must be 'ptune' or 'deep_ptune'"),
+        ("ptune", 0, "pre_seq_len >= 1"),
+        (None, 4, "needs a tuning_mode"),
+    ],
+)
+def test_tuning_options_are_checked_before_connecting(
+    mode: Any, length: int, match: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        AutoDistributedModelForCausalLM.from_pretrained(
+            "default", socket=tmp_path / "none.sock", tuning_mode=mode, pre_seq_len=length
+        )
+
+
 # --- through real daemons ------------------------------------------------------------------
 
 
