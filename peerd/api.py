@@ -31,7 +31,7 @@ from peerd.generation import Generator, SamplingParams
 from peerd.inference import AdapterUnavailable, InferenceFailed, InferenceSession
 from peerd.server import record_to_info
 from peerd.training import Trainer
-from routing.planner import NoRouteError
+from routing.planner import NoRouteError, route_hops
 
 log = logging.getLogger(__name__)
 
@@ -459,7 +459,7 @@ class _Connection:
 
 def _hops(inference: InferenceSession) -> tuple[str, ...]:
     """A session's route as the local API reports it: "peer_id[start:end)" per hop."""
-    return tuple(f"{h.peer_id}[{h.start}:{h.end})" for h in inference.route)
+    return route_hops(inference.route)
 
 
 def _eos_ids(tokenizer: Any) -> list[int]:

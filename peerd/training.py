@@ -17,7 +17,6 @@ import logging
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -30,7 +29,7 @@ from peerd.inference import MAX_HOP_FAILURES, OPEN_TIMEOUT_S, ROUTE_WAIT_S, Infe
 from peerd.p2p import TRAINING_PROTOCOL
 from peerd.streams import MessageStream, PeerGone
 from peerd.swarm import SwarmView
-from routing.planner import NoRouteError, RouteHop, format_route
+from routing.planner import NoRouteError, RouteHop, format_route, route_hops
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +69,6 @@ class KeptHop:
 class KeptPass:
     hops: list[KeptHop]
     prompts: torch.Tensor | None
-
-
-def describe(hops: Sequence[RouteHop]) -> tuple[str, ...]:
-    return tuple(f"{h.peer_id}[{h.start}:{h.end})" for h in hops)
 
 
 def micro_batches(batch: int, tokens: int, width: int) -> list[slice]:
@@ -123,7 +118,7 @@ class Trainer:
             while len(self.kept) > MAX_KEPT_PASSES:
                 dropped, _ = self.kept.popitem(last=False)
                 log.info("dropped kept training pass %s: over %d kept", dropped, MAX_KEPT_PASSES)
-        return hidden, forward_id, describe([k.hop for k in kept])
+        return hidden, forward_id, route_hops([k.hop for k in kept])
 
     async def backward(
         self, forward_id: str, grad_outputs: torch.Tensor
@@ -163,7 +158,7 @@ class Trainer:
         all_prompts = None
         if prompts is not None:
             all_prompts = torch.cat([grad_prompts[b] for b in sorted(grad_prompts)], dim=0)
-        return grad, all_prompts, describe(used[::-1])
+        return grad, all_prompts, route_hops(used[::-1])
 
     def _check(self, hidden: torch.Tensor, prompts: torch.Tensor | None) -> None:
         wire.peer_protocol.check_prompts(prompts, hidden, self.swarm.num_blocks)

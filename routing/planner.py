@@ -157,9 +157,14 @@ def route_cost(
     )
 
 
+def route_hops(route: Sequence[RouteHop]) -> tuple[str, ...]:
+    """Each hop as 'peerA[0:10)', as the local API's messages list a route."""
+    return tuple(f"{hop.peer_id}[{hop.start}:{hop.end})" for hop in route)
+
+
 def format_route(route: Route) -> str:
     """A route as one log line: 'peerA[0:10) -> peerB[10:30)'."""
-    return " -> ".join(f"{hop.peer_id}[{hop.start}:{hop.end})" for hop in route) or "(empty)"
+    return " -> ".join(route_hops(route)) or "(empty)"
 
 
 def plan_route(
