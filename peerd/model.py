@@ -49,6 +49,11 @@ _NO_TUNED_SESSIONS = (
     "not carry trained prompts yet; evaluate with model(input_ids).logits"
 )
 
+_NO_TRAINING_ADAPTER = (
+    "training passes (prompt tuning, gradients of inputs_embeds) run the servers' base blocks: "
+    "they cannot apply a LoRA adapter yet; load the model without active_adapter to tune it"
+)
+
 # Errors after which the connection's byte stream can no longer be trusted.
 OUT_OF_STEP = ("connection_closed", "bad_reply")
 
@@ -314,7 +319,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if generation_config is not None:
             self.generation_config = generation_config
         self.tuning_mode = tuning_mode
-        self.pre_seq_len = _check_tuning(tuning_mode, pre_seq_len)
+        self.pre_seq_len = _check_tuning(tuning_mode, pre_seq_len, active_adapter)
         self.prompt_embeddings: nn.Parameter | None = None
         self.intermediate_prompt_embeddings: nn.Parameter | None = None
         if tuning_mode is not None:
@@ -368,7 +373,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 f"peerd.model needs transformers 5 or later (its generate hands the KV cache "
                 f"to the model as `cache`), not {transformers.__version__}: upgrade transformers"
             )
-        _check_tuning(tuning_mode, pre_seq_len)
+        _check_tuning(tuning_mode, pre_seq_len, active_adapter)
         checkpoint = blocks.resolve_checkpoint(model)
         config = blocks.load_config(checkpoint)
         daemon = DaemonConnection(
@@ -489,6 +494,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is None and torch.is_grad_enabled() and hidden_in.requires_grad:
             # Gradients wanted (of inputs_embeds): a cache-less pass that autograd goes back
             # through (a session step's servers keep no autograd graph).
+            if self.active_adapter is not None:
+                raise ValueError(_NO_TRAINING_ADAPTER)
             hidden_out = remote_blocks(self.daemon, hidden_in.to("cpu", torch.float32), None)
             return self._outputs(
                 hidden_in,
@@ -709,8 +716,10 @@ def _batch_size(inputs: torch.Tensor | None, kwargs: dict[str, Any]) -> int:
     return 1
 
 
-def _check_tuning(tuning_mode: str | None, pre_seq_len: int) -> int:
+def _check_tuning(tuning_mode: str | None, pre_seq_len: int, adapter: str | None) -> int:
     """pre_seq_len, checked against tuning_mode; ValueError says what to pass."""
+    if tuning_mode is not None and adapter is not None:
+        raise ValueError(_NO_TRAINING_ADAPTER)
     if tuning_mode is None:
         if pre_seq_len:
             raise ValueError("pre_seq_len needs a tuning_mode: 'ptune' or 'deep_ptune'")

@@ -178,19 +178,24 @@ async def test_server_refuses_training_it_cannot_do(
 
 
 @pytest.mark.parametrize(
-    ("mode", "length", "match"),
+    ("mode", "length", "adapter", "match"),
     [
-        ("lora", 4, "must be 'ptune' or 'deep_ptune'"),
-        ("ptune", 0, "pre_seq_len >= 1"),
-        (None, 4, "needs a tuning_mode"),
+        ("lora", 4, None, "must be 'ptune' or 'deep_ptune'"),
+        ("ptune", 0, None, "pre_seq_len >= 1"),
+        (None, 4, None, "needs a tuning_mode"),
+        ("deep_ptune", 4, "my-lora", "cannot apply a LoRA adapter"),
     ],
 )
 def test_tuning_options_are_checked_before_connecting(
-    mode: Any, length: int, match: str, tmp_path: Path
+    mode: Any, length: int, adapter: str | None, match: str, tmp_path: Path
 ) -> None:
     with pytest.raises(ValueError, match=match):
         AutoDistributedModelForCausalLM.from_pretrained(
-            "default", socket=tmp_path / "none.sock", tuning_mode=mode, pre_seq_len=length
+            "default",
+            socket=tmp_path / "none.sock",
+            tuning_mode=mode,
+            pre_seq_len=length,
+            active_adapter=adapter,
         )
 
 
