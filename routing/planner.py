@@ -177,6 +177,7 @@ def plan_route(
     now: float | None = None,
     relayed_penalty_s: float = DEFAULT_RELAYED_PENALTY_S,
     min_free_cache_tokens: int = 0,
+    session_length: int = 0,
     allowed_servers: Collection[str] | None = None,
     blocked_servers: Collection[str] = (),
     mode: Mode = "inference",
@@ -189,8 +190,9 @@ def plan_route(
     Only online servers are used, and none that is banned (a `BanList` is asked at `now`; a
     plain collection bans its peers outright), in `blocked_servers`, outside `allowed_servers`
     when that is given, or whose record expired by `now`. In inference mode a server also needs
-    `min_free_cache_tokens` of free cache. With `adapter`, only servers whose record lists that
-    adapter are used. `rng` drives training mode's random choice.
+    `min_free_cache_tokens` of free cache and must open sessions of `session_length` tokens (when
+    its record announces a max_session_length). With `adapter`, only servers whose record lists
+    that adapter are used. `rng` drives training mode's random choice.
 
     Raises NoRouteError when some block has no usable server, ValueError on bad arguments.
     """
@@ -220,6 +222,7 @@ def plan_route(
             blocked=blocked_servers,
             min_free_cache_tokens=min_free_cache_tokens if mode == "inference" else 0,
             adapter=adapter,
+            session_length=session_length if mode == "inference" else 0,
         )
         if reason is None:
             usable.append(record)
@@ -314,6 +317,7 @@ def _skip_reason(
     blocked: Collection[str],
     min_free_cache_tokens: int,
     adapter: str | None = None,
+    session_length: int = 0,
 ) -> str | None:
     """Why a route must not use `record`'s server, in words for NoRouteError; None if usable."""
     if record.state not in ROUTABLE_STATES:
@@ -334,6 +338,8 @@ def _skip_reason(
         return "banned after failures"
     if record.free_cache_tokens < min_free_cache_tokens:
         return "out of cache"
+    if 0 < record.max_session_length < session_length:
+        return "sessions too short"
     return None
 
 

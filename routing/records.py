@@ -49,6 +49,10 @@ class ServerRecord:
     free_cache_tokens: tokens of KV cache the server can still give a new session for its whole
         span; a route for inference skips servers with less than the session needs.
     relayed: the server is reachable only through a circuit relay, which costs an extra hop.
+    max_session_length, max_sessions_per_peer, max_inflight_bytes_per_peer: the server's
+        admission limits (0: not announced); a route skips a server whose max_session_length is
+        below the session's.
+    queued_sessions: sessions waiting there for cache now.
     updated_at / expires_at: seconds on the announcer's clock when the record was made and when
         it stops being valid unless refreshed (`math.inf`: no expiry known).
     """
@@ -64,6 +68,10 @@ class ServerRecord:
     addrs: tuple[str, ...]
     relayed: bool
     adapters: tuple[str, ...] = ()
+    max_session_length: int = 0
+    max_sessions_per_peer: int = 0
+    max_inflight_bytes_per_peer: int = 0
+    queued_sessions: int = 0
     updated_at: float = 0.0
     expires_at: float = math.inf
 
@@ -99,6 +107,10 @@ class ServerRecord:
         if not isinstance(self.relayed, bool):
             raise ValueError(f"bad {who}: relayed must be a bool, got {_kind(self.relayed)}")
         _check_str_tuple(who, "adapters", self.adapters)
+        for name in _LIMIT_FIELDS:
+            _check_int(who, name, getattr(self, name))
+            if getattr(self, name) < 0:
+                raise ValueError(f"bad {who}: {name} must be >= 0, got {getattr(self, name)}")
         for name in ("updated_at", "expires_at"):
             value = getattr(self, name)
             _check_number(who, name, value)
@@ -140,6 +152,7 @@ class ServerRecord:
             "addrs": list(self.addrs),
             "relayed": self.relayed,
             "adapters": list(self.adapters),
+            **{name: getattr(self, name) for name in _LIMIT_FIELDS},
             "updated_at": float(self.updated_at),
             "expires_at": float(self.expires_at),
         }
@@ -178,7 +191,13 @@ class ServerRecord:
 
 
 _ALL_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ServerRecord))
-_OPTIONAL_FIELDS = frozenset({"adapters", "updated_at", "expires_at"})
+_LIMIT_FIELDS = (
+    "max_session_length",
+    "max_sessions_per_peer",
+    "max_inflight_bytes_per_peer",
+    "queued_sessions",
+)
+_OPTIONAL_FIELDS = frozenset({"adapters", "updated_at", "expires_at", *_LIMIT_FIELDS})
 _REQUIRED_FIELDS: tuple[str, ...] = tuple(n for n in _ALL_FIELDS if n not in _OPTIONAL_FIELDS)
 
 

@@ -163,6 +163,20 @@ def test_inference_needs_free_cache_and_training_does_not() -> None:
     assert chosen == {"full", "roomy"}
 
 
+def test_inference_skips_servers_whose_sessions_are_too_short() -> None:
+    snap = make_snapshot(
+        10,
+        make_record("short", 0, 10, throughput=40.0, max_session_length=512),
+        make_record("long", 0, 10, throughput=1.0, max_session_length=8192),
+        make_record("unannounced", 0, 10, throughput=0.5),
+    )
+    assert spans(plan_route(snap, session_length=512)) == [("short", 0, 10)]
+    assert spans(plan_route(snap, session_length=2048)) == [("long", 0, 10)]
+    only_short = make_snapshot(10, make_record("short", 0, 10, max_session_length=512))
+    with pytest.raises(NoRouteError, match="sessions too short"):
+        plan_route(only_short, session_length=513)
+
+
 def test_avoids_stalled_servers_but_uses_one_rather_than_fail() -> None:
     stalled = make_record("stalled", 0, 10, throughput=0.0)
     snap = make_snapshot(10, stalled, make_record("slow", 0, 10, throughput=0.001))

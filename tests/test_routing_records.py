@@ -32,6 +32,10 @@ def test_record_round_trips_through_a_plain_map() -> None:
         updated_at=100.0,
         expires_at=160.0,
         state=ServerState.DRAINING,
+        max_session_length=8192,
+        max_sessions_per_peer=64,
+        max_inflight_bytes_per_peer=1 << 28,
+        queued_sessions=3,
     )
     d = record.to_dict()
     assert d["state"] == "draining"
@@ -43,13 +47,15 @@ def test_record_round_trips_through_a_plain_map() -> None:
 
 def test_from_dict_fills_optional_fields_and_ignores_unknown_keys() -> None:
     d = make_record("peerA", 0, 4).to_dict()
-    for optional in ("adapters", "updated_at", "expires_at"):
+    limits = ("max_session_length", "max_sessions_per_peer", "max_inflight_bytes_per_peer")
+    for optional in ("adapters", "updated_at", "expires_at", "queued_sessions", *limits):
         del d[optional]
     d["from_a_newer_version"] = {"anything": 1}
     record = ServerRecord.from_dict(d)
     assert record.adapters == ()
     assert record.updated_at == 0.0
     assert record.expires_at == math.inf
+    assert record.max_session_length == record.queued_sessions == 0
 
 
 def test_from_dict_accepts_whole_numbers_for_float_fields() -> None:
@@ -76,6 +82,8 @@ def _good() -> dict[str, Any]:
         ({"throughput": "fast"}, "throughput must be a number, got str"),
         ({"free_cache_tokens": -5}, "free_cache_tokens must be >= 0"),
         ({"free_cache_tokens": 1.5}, "free_cache_tokens must be an int"),
+        ({"max_session_length": -1}, "max_session_length must be >= 0"),
+        ({"queued_sessions": "3"}, "queued_sessions must be an int, got str"),
         ({"state": "sleeping"}, "state must be one of joining, online, draining"),
         ({"state": 1}, "state must be a string, got int"),
         ({"peer_id": ""}, "peer_id must not be empty"),

@@ -82,6 +82,10 @@ INFO = ServerInfo(
     addrs=("/ip4/10.0.0.1/tcp/4001", "/ip4/1.2.3.4/tcp/4001/p2p/12D3KooWR/p2p-circuit"),
     relayed=True,
     adapters=("lora-a",),
+    max_session_length=8192,
+    max_sessions_per_peer=64,
+    max_inflight_bytes_per_peer=256 << 20,
+    queued_sessions=1,
 )
 
 # Real peer ids (an Ed25519 one as 12D3KooW..., an RSA-style sha2-256 one as Qm...): routing
@@ -110,6 +114,7 @@ EXAMPLES: list[Message] = [
         next_hops=(HOP,),
         reply_compression="float16",
         active_adapter="lora-a",
+        wait_timeout=10.0,
     ),
     SessionOpened(session_id="s1", max_length=512),
     Step(session_id="s1", step_id=0, hidden_states=HIDDEN),

@@ -60,6 +60,9 @@ MAX_BATCH_SIZE = 1024
 MAX_ERROR_MESSAGE_LEN = 4096
 """An error's text: one or two sentences, or a short traceback summary."""
 
+MAX_WAIT_TIMEOUT_S = 3600.0
+"""Longest wait for cache a client may ask for (servers cap it lower: docs/wire.md)."""
+
 
 class _Span(Record):
     """Records and messages with a block span [start, end) check end > start."""
@@ -92,6 +95,14 @@ class ServerInfo(_Span):
         default=(), max_items=MAX_ADAPTERS, min_len=1, max_len=MAX_ADAPTER_NAME_LEN
     )
     """Names of the adapters (e.g. LoRA) the server can apply on top of its blocks."""
+    max_session_length: int = spec(default=0, ge=0, le=MAX_SESSION_TOKENS)
+    """Longest session (max_length) the server opens; 0: not announced."""
+    max_sessions_per_peer: int = spec(default=0, ge=0, le=1 << 20)
+    """Sessions one peer may hold open or queued there; 0: not announced."""
+    max_inflight_bytes_per_peer: int = spec(default=0, ge=0, le=1 << 40)
+    """Bytes of steps one peer may have queued or computing there; 0: not announced."""
+    queued_sessions: int = spec(default=0, ge=0, le=1 << 20)
+    """Sessions waiting for cache there now (free_cache_tokens already counts them as taken)."""
 
 
 @record
@@ -132,6 +143,9 @@ class OpenSession(_Span, Message):
     active_adapter: str | None = spec(default=None, min_len=1, max_len=MAX_ADAPTER_NAME_LEN)
     """Run every step of the session with this LoRA adapter (one the server's record lists);
     a server without it refuses the session with `adapter_not_found`."""
+    wait_timeout: float = spec(default=0.0, ge=0.0, le=MAX_WAIT_TIMEOUT_S)
+    """Seconds the client will wait in the server's queue when the cache is full (0: refuse at
+    once); past it the server answers Error `cache_full_timeout`."""
 
 
 @message("session_opened")
@@ -245,6 +259,9 @@ class ErrorCode:
     SESSION_NOT_FOUND = "session_not_found"
     OUT_OF_CACHE = "out_of_cache"  # no room for max_length tokens right now
     BUSY = "busy"  # overloaded: retry elsewhere or later
+    CACHE_FULL_TIMEOUT = "cache_full_timeout"  # waited wait_timeout in the queue, still no room
+    TOO_MANY_SESSIONS = "too_many_sessions"  # this peer holds max_sessions_per_peer already
+    INFLIGHT_LIMIT = "inflight_limit"  # this peer has max_inflight_bytes_per_peer in flight
     CANCELLED = "cancelled"
     INTERNAL = "internal"  # a bug on the answering side
     ADAPTER_NOT_FOUND = "adapter_not_found"  # no server (or not this one) has the adapter named
