@@ -82,6 +82,13 @@ def start(
     adapters: list[Path] = typer.Option(
         [], "--adapters", help="PEFT LoRA adapter dir to serve, known by its name (repeatable)."
     ),
+    verify: float = typer.Option(
+        0.0,
+        "--verify",
+        min=0.0,
+        max=1.0,
+        help="Re-run this fraction of generation steps on a second server and ban liars.",
+    ),
 ) -> None:
     """Serve blocks of a model to the swarm and route generations for local clients."""
     from peerd.daemon import DaemonConfig, DaemonError, configure_logging, run
@@ -116,6 +123,7 @@ def start(
         mdns=mdns,
         swarm_name=swarm_name,
         adapters=list(adapters),
+        verify_fraction=verify,
     )
     try:
         run(config)

@@ -75,6 +75,7 @@ class DaemonConfig:
     swarm_name: str = ""  # a private swarm: its DHT keys differ from every other swarm's
     adapters: list[Path] = field(default_factory=list)  # PEFT LoRA directories to serve
     limits: ServerLimits = field(default_factory=ServerLimits)
+    verify_fraction: float = 0.0  # spot-check this fraction of our sessions' steps (peerd.verify)
 
     def listen_addrs(self) -> list[str]:
         return self.host_maddrs or [f"/ip4/0.0.0.0/tcp/{self.port}"]
@@ -174,6 +175,7 @@ class Daemon:
                 own_record=lambda: self.server.record() if self.server else None,
                 swarm_name=config.swarm_name,
             )
+            self.swarm.verify_fraction = config.verify_fraction
             for text in config.initial_peers:
                 await self._join(text)
             async with trio.open_nursery() as nursery:

@@ -26,6 +26,7 @@ from peerd.p2p import INFERENCE_PROTOCOL
 from peerd.server import LocalSession
 from peerd.streams import MessageStream, PeerGone
 from peerd.swarm import SwarmView
+from peerd.verify import StepVerifier
 from routing.planner import NoRouteError, RouteHop, format_route, plan_route
 from wire.peer_protocol import CompressionName
 
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 STEP_TIMEOUT_S = 60.0
 # Dialing a server and opening a session on it (RouteOptions.connect_timeout overrides it).
 OPEN_TIMEOUT_S = 10.0
+# How long a session waits in a full server's queue for cache before trying another server.
+ADMISSION_WAIT_S = 10.0
 # How long to wait for the swarm to offer a route (servers may be restarting) before failing.
 ROUTE_WAIT_S = 30.0
 # Failed servers one session replaces before it gives up (RouteOptions.max_retries overrides it).
@@ -45,6 +48,10 @@ MAX_HOP_FAILURES = 8
 
 class HopRefused(PeerGone):
     """A live server answered our OpenSession with an error (busy, full, limits)."""
+
+
+class WrongResult(PeerGone):
+    """A server's output failed a spot check (peerd.verify): it is banned and replaced."""
 
 
 class InferenceFailed(Exception):
@@ -161,6 +168,7 @@ class InferenceSession:
         push: bool = True,
         adapter: str | None = None,
         routing: wire.RouteOptions | None = None,
+        verify_fraction: float | None = None,
     ) -> None:
         """`routing`: which servers the session may use, how many failed ones it may replace,
         and how long dialing a hop and each step may take (None: the defaults above)."""
@@ -186,6 +194,20 @@ class InferenceSession:
         self.position = 0
         self._rewind_to: int | None = None
         self.failures = 0
+        # Spot checks of the servers' results (the daemon's --verify unless given here).
+        fraction = swarm.verify_fraction if verify_fraction is None else verify_fraction
+        self.verifier: StepVerifier | None = None
+        if fraction > 0:
+            self.verifier = StepVerifier(
+                swarm,
+                fraction,
+                self._open_hop,
+                codec=codec,
+                session_tokens=batch_size * max_length,
+                adapter=adapter,
+                allowed=self.allowed_servers,
+                blocked=self.blocked_servers,
+            )
 
     async def __aenter__(self) -> InferenceSession:
         if self.adapter is not None:
@@ -215,6 +237,8 @@ class InferenceSession:
         with trio.CancelScope(shield=True):
             for hop in self.hops:
                 await hop.close()
+            if self.verifier is not None:
+                await self.verifier.close()
         self.hops = []
 
     @property
@@ -237,6 +261,7 @@ class InferenceSession:
             )
         # After a rollback every hop is told where the new tokens start (once per hop).
         rewind = self._rewind_to
+        first_position = self.position
         i = 0
         remote = all(isinstance(hop, HopSession) for hop in self.hops)
         if self.push and rewind is None and remote and len(self.hops) > 1:
@@ -246,8 +271,16 @@ class InferenceSession:
                 # pusher died after sending): starting the relayed step at our position rolls
                 # such a cache back instead of appending the tokens twice.
                 rewind = self.position
-        # Client-relayed: each remaining hop in turn (all of them without push, or from where a
-        # push chain broke).
+        hidden = await self._relay(i, hidden, rewind)
+        if self.verifier is not None:
+            hidden = await self._verify(hidden, first_position)
+        self._rewind_to = None
+        self.position += hidden.shape[1]
+        return hidden
+
+    async def _relay(self, i: int, hidden: torch.Tensor, rewind: int | None) -> torch.Tensor:
+        """Client-relayed: each hop from `i` on in turn (all of them without push, or from
+        where a push chain broke); returns the last hop's output."""
         while i < len(self.hops):
             hop = self.hops[i]
             try:
@@ -259,9 +292,44 @@ class InferenceSession:
             self.swarm.report_success(hop.peer_id)
             hidden = output
             i += 1
-        self._rewind_to = None
-        self.position += hidden.shape[1]
         return hidden
+
+    async def _verify(self, output: torch.Tensor, first_position: int) -> torch.Tensor:
+        """Spot-check this step's hops (peerd.verify). A hop caught lying is replaced, and the
+        step re-runs from it on honest servers (the later hops roll their caches back to
+        `first_position`), so the output returned is the honest one."""
+        assert self.verifier is not None
+        end_position = first_position + output.shape[1]
+        i = 0
+        while i < len(self.hops):
+            hop = self.hops[i]
+            if not isinstance(hop, HopSession) or not self.verifier.wants(hop):
+                i += 1
+                continue
+            start = hop.hop.start
+            history = self._inputs[start][:, :end_position]
+            if i + 1 < len(self.hops):
+                claimed = self._inputs[self.hops[i + 1].hop.start][:, first_position:end_position]
+            else:
+                claimed = output
+            liar = await self.verifier.check(hop, history, claimed)
+            if liar is None:
+                i += 1
+                continue
+            step_input = history[:, first_position:]
+            self._forget(start, first_position)
+            await self._replace(i, WrongResult(f"{liar} failed a spot check"))
+            output = await self._relay(i, step_input, first_position)
+        return output
+
+    def _forget(self, first_block: int, position: int) -> None:
+        """Drop the remembered inputs of blocks from `first_block` on, from `position` on."""
+        for block in list(self._inputs):
+            if block >= first_block:
+                if position == 0:
+                    del self._inputs[block]
+                else:
+                    self._inputs[block] = self._inputs[block][:, :position]
 
     async def _push_step(self, hidden: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Send the step to the first hop naming the rest: each server pushes its output to
@@ -386,6 +454,7 @@ class InferenceSession:
                     start,
                     end,
                     min_free_cache_tokens=self.batch_size * self.max_length,
+                    session_length=self.max_length,
                     allowed_servers=self.allowed_servers,
                     blocked_servers=refused | self.blocked_servers,
                     adapter=self.adapter,
@@ -447,6 +516,7 @@ class InferenceSession:
             batch_size=self.batch_size,
             reply_compression=self.codec,
             active_adapter=self.adapter,
+            wait_timeout=ADMISSION_WAIT_S,
         )
         local = self.swarm.local_server
         if local is not None and hop.peer_id == local.peer_id:
@@ -461,7 +531,8 @@ class InferenceSession:
             raw = await self.swarm.node.host.new_stream(peer, [INFERENCE_PROTOCOL])
         stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
         await stream.send(request)
-        reply = await stream.receive(max(0.0, deadline - trio.current_time()))
+        # The reply may take the connect time plus the time we offered to wait in its queue.
+        reply = await stream.receive(max(0.0, deadline - trio.current_time()) + ADMISSION_WAIT_S)
         if isinstance(reply, wire.Error):
             await stream.close()
             raise HopRefused(f"{hop.peer_id} refused the session: {reply.message}")

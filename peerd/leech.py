@@ -42,8 +42,10 @@ async def open_leech(
     *,
     refresh_period: float = 5.0,
     wait_for_coverage_s: float = 60.0,
+    verify_fraction: float = 0.0,
 ) -> AsyncIterator[Leech]:
-    """Join the swarm through `initial_peers` and wait until every block of `model` is served."""
+    """Join the swarm through `initial_peers` and wait until every block of `model` is served.
+    `verify_fraction`: spot-check that fraction of steps on a second server (peerd.verify)."""
     checkpoint = blocks.resolve_checkpoint(model)
     client = await trio.to_thread.run_sync(blocks.load_client_side, checkpoint)
     num_blocks = int(client.config.num_hidden_layers)
@@ -52,6 +54,7 @@ async def open_leech(
             with trio.fail_after(10):
                 await node.connect(parse_peer_maddr(text))
         swarm = SwarmView(node, client.model, num_blocks, refresh_period=refresh_period)
+        swarm.verify_fraction = verify_fraction
         if not await swarm.wait_for(covered, wait_for_coverage_s):
             plan_route(swarm.snapshot())  # raises NoRouteError naming the missing blocks
         async with trio.open_nursery() as nursery:

@@ -29,13 +29,14 @@ class DaemonProcess:
     maddrs: list[str] = field(default_factory=list)
     span: tuple[int, int] | None = None
     output: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment of the daemon
 
     @property
     def maddr(self) -> str:
         return next(a for a in self.maddrs if "/ip4/127.0.0.1/" in a)
 
     def start(self, timeout: float = 180.0) -> DaemonProcess:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **self.env)
         log = open(self.log_path, "a")  # noqa: SIM115 (closed when the process ends)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "cli", "start", *self.args, *self._own_files()],
@@ -112,7 +113,12 @@ class LocalSwarm:
         return [self.daemons[0].maddr] if self.daemons else []
 
     def start(
-        self, name: str, blocks: str, *extra: str, identity: str | None = None
+        self,
+        name: str,
+        blocks: str,
+        *extra: str,
+        identity: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> DaemonProcess:
         peers = self.initial_peers
         join = ["--initial-peers", peers[0]] if peers else ["--new-swarm"]
@@ -136,6 +142,7 @@ class LocalSwarm:
             identity=self.workdir / f"{identity or name}.key",
             socket=self.workdir / f"{name}.sock",
             log_path=self.workdir / f"{name}.log",
+            env=env or {},
         )
         self.daemons.append(daemon)
         return daemon.start()

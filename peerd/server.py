@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,8 +21,9 @@ from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 import wire
-from blocks import CacheFull, MemoryCache, Span, SpanSession
+from blocks import MemoryCache, Span, SpanSession
 from peerd import __version__
+from peerd.admission import Admission, Refused
 from peerd.compute import PRIORITY_INFERENCE, PRIORITY_TRAINING, ComputeQueue
 from peerd.p2p import PUSH_PROTOCOL, Node
 from peerd.streams import Idle, MessageStream, PeerGone
@@ -35,6 +38,10 @@ SESSION_IDLE_TIMEOUT_S = 300.0
 OPEN_TIMEOUT_S = 10.0
 # A push that does not go through in this long is abandoned: the client relays instead.
 PUSH_TIMEOUT_S = 5.0
+# TESTS ONLY: a server started with PEERD_TEST_CORRUPT=F adds noise to a fraction F of its
+# step outputs, so tests can check that clients catch a lying server (peerd.verify). Nothing
+# else sets it; docs/operations.md says never to.
+TEST_CORRUPT_ENV = "PEERD_TEST_CORRUPT"
 
 
 class AdapterMissing(wire.ProtocolError):
@@ -54,6 +61,9 @@ class ServerLimits:
     # Activations of a cache-less pass grow with batch x tokens; autograd keeps them all for the
     # backward. 8192 x 576 fp32 x ~20 saved tensors per block stays within a few GiB per span.
     max_training_tokens: int = 8192
+    # Bytes of steps one peer may have queued or computing here at once: one peer's prefills
+    # must not fill the compute queue for everyone (one step alone is always taken).
+    max_inflight_bytes_per_peer: int = 256 << 20
 
 
 @dataclass
@@ -91,7 +101,7 @@ class _LiveSession:
     scope: trio.CancelScope
     lock: trio.Lock = field(default_factory=trio.Lock)  # one step at a time, from either side
     last_active: float = field(default_factory=trio.current_time)
-    failure: str | None = None
+    failure: Refused | None = None
 
 
 class BlockServer:
@@ -125,13 +135,19 @@ class BlockServer:
         self.cache: MemoryCache | None = None
         self.throughput = 0.0
         self.hidden_size = 0
-        self._sessions_by_peer: dict[str, int] = {}
+        self.admission = Admission(
+            max_sessions_per_peer=self.limits.max_sessions_per_peer,
+            max_inflight_bytes_per_peer=self.limits.max_inflight_bytes_per_peer,
+        )
         self._open_sessions: set[trio.CancelScope] = set()
         self._subspans: dict[tuple[int, int], Span] = {}
         self.node = node
         self._live: dict[str, _LiveSession] = {}  # session id -> session, for pushed steps
         self._push_streams: dict[str, MessageStream] = {}  # next hop's peer id -> stream
         self._push_locks: dict[str, trio.Lock] = {}
+        self._corrupt_fraction = float(os.environ.get(TEST_CORRUPT_ENV) or 0.0)
+        if self._corrupt_fraction:
+            log.warning("%s is set: this server returns WRONG results", TEST_CORRUPT_ENV)
 
     def go_online(self, span: Span, cache: MemoryCache, throughput: float) -> None:
         """Start taking sessions: the span is loaded and its speed known."""
@@ -159,15 +175,26 @@ class BlockServer:
             start=self.start,
             end=self.end,
             throughput=self.throughput,
-            free_cache_tokens=self.cache.free_tokens if self.cache is not None else 0,
+            free_cache_tokens=self._free_cache_tokens(),
             state=self.state,
             version=__version__,
             addrs=tuple(self.addrs()),
             relayed=False,
             adapters=self.adapters,
+            max_session_length=self.limits.max_session_length,
+            max_sessions_per_peer=self.limits.max_sessions_per_peer,
+            max_inflight_bytes_per_peer=self.limits.max_inflight_bytes_per_peer,
+            queued_sessions=self.admission.queued,
             updated_at=now,
             expires_at=now + self.record_ttl,
         )
+
+    def _free_cache_tokens(self) -> int:
+        """Free cache less what the queued requests wait for: routing should not send a new
+        session to a server whose free cache is already promised."""
+        if self.cache is None:
+            return 0
+        return max(0, self.cache.free_tokens - self.admission.queued_tokens)
 
     @property
     def open_sessions(self) -> int:
@@ -198,39 +225,16 @@ class BlockServer:
         try:
             request = await messages.receive_as(wire.OpenSession, OPEN_TIMEOUT_S)
             try:
-                self._check_open(request, peer)
+                self._check_open(request)
             except AdapterMissing as e:
                 self.counters.sessions_refused += 1
                 await self._refuse(messages, wire.ErrorCode.ADAPTER_NOT_FOUND, str(e))
                 return
-            assert self.cache is not None  # _check_open refuses sessions until we are online
-            try:
-                session = self.cache.open_session(request.batch_size, request.max_length)
-            except CacheFull as e:
-                self.counters.sessions_refused += 1
-                await self._refuse(messages, "cache_full", str(e))
-                return
-            self._sessions_by_peer[peer] = self._sessions_by_peer.get(peer, 0) + 1
-            self.counters.sessions_opened += 1
-            live = _LiveSession(request, session, messages, trio.CancelScope())
-            try:
-                with session, live.scope:
-                    self._open_sessions.add(live.scope)
-                    self._live[request.session_id] = live
-                    await messages.send(
-                        wire.SessionOpened(
-                            session_id=request.session_id, max_length=request.max_length
-                        )
-                    )
-                    await self._serve_steps(live)
-                if live.failure is not None:  # a pushed step broke the session
-                    await self._refuse(messages, "bad_request", live.failure)
-            finally:
-                self._live.pop(request.session_id, None)
-                self._open_sessions.discard(live.scope)
-                self._sessions_by_peer[peer] -= 1
-                if not self._sessions_by_peer[peer]:
-                    del self._sessions_by_peer[peer]
+            with self.admission.session_slot(peer):
+                await self._open_and_serve(request, messages)
+        except Refused as e:
+            self.counters.sessions_refused += 1
+            await self._refuse(messages, e.code, str(e))
         except wire.ProtocolError as e:
             await self._refuse(messages, "bad_request", str(e))
         except PeerGone as e:
@@ -238,7 +242,29 @@ class BlockServer:
         finally:
             await messages.close()
 
-    def _check_open(self, request: wire.OpenSession, peer: str) -> None:
+    async def _open_and_serve(self, request: wire.OpenSession, messages: MessageStream) -> None:
+        assert self.cache is not None  # _check_open refuses sessions until we are online
+        session = await self.admission.open_session(
+            self.cache, request.batch_size, request.max_length, request.wait_timeout
+        )
+        self.counters.sessions_opened += 1
+        live = _LiveSession(request, session, messages, trio.CancelScope())
+        try:
+            with session, live.scope:
+                self._open_sessions.add(live.scope)
+                self._live[request.session_id] = live
+                await messages.send(
+                    wire.SessionOpened(session_id=request.session_id, max_length=request.max_length)
+                )
+                await self._serve_steps(live)
+            if live.failure is not None:  # a pushed step broke the session
+                raise live.failure
+        finally:
+            self._live.pop(request.session_id, None)
+            self._open_sessions.discard(live.scope)
+            self.admission.cache_freed()
+
+    def _check_open(self, request: wire.OpenSession) -> None:
         if request.model != self.model:
             raise wire.ProtocolError(
                 f"this server serves model {self.model!r}, not {request.model!r}"
@@ -267,11 +293,6 @@ class BlockServer:
                 f"max_length {request.max_length} exceeds this server's limit of "
                 f"{self.limits.max_session_length} tokens"
             )
-        if self._sessions_by_peer.get(peer, 0) >= self.limits.max_sessions_per_peer:
-            raise wire.ProtocolError(
-                f"peer {peer} already has {self.limits.max_sessions_per_peer} open sessions here; "
-                "close one first"
-            )
 
     async def _serve_steps(self, live: _LiveSession) -> None:
         """Steps from the client's own stream. With server-to-server push the client sends
@@ -296,9 +317,12 @@ class BlockServer:
         """Run one step; push the output on when the step names next hops (first, so the next
         server starts at once); answer the client on its session stream."""
         compression = live.request.reply_compression
-        async with live.lock:
-            live.last_active = trio.current_time()
-            output = await self.run_step(live.request, live.session, message)
+        hidden = message.hidden_states
+        size = hidden.numel() * hidden.element_size()
+        with self.admission.inflight(live.messages.remote_peer, size):
+            async with live.lock:
+                live.last_active = trio.current_time()
+                output = await self.run_step(live.request, live.session, message)
         pushed = True
         if message.next_hops:
             pushed = await self._push(message, output, compression)
@@ -328,7 +352,10 @@ class BlockServer:
                 try:
                     await self._process(live, message)
                 except wire.ProtocolError as e:
-                    live.failure = str(e)
+                    live.failure = Refused("bad_request", str(e))
+                    live.scope.cancel()
+                except Refused as e:
+                    live.failure = e
                     live.scope.cancel()
                 except PeerGone:  # the session's client went away; its handler cleans up
                     live.scope.cancel()
@@ -457,6 +484,8 @@ class BlockServer:
         output = await self.compute.run(
             PRIORITY_INFERENCE, self._forward, span, hidden, session, request.active_adapter
         )
+        if self._corrupt_fraction and random.random() < self._corrupt_fraction:
+            output = _corrupted(output)
         self.counters.steps += 1
         self.counters.tokens_processed += hidden.shape[0] * hidden.shape[1]
         return output
@@ -464,7 +493,7 @@ class BlockServer:
     def open_local(self, request: wire.OpenSession) -> LocalSession:
         """A session for this daemon's own clients: the same checks and cache as a remote one,
         without a stream (a host cannot dial itself)."""
-        self._check_open(request, self.peer_id)
+        self._check_open(request)
         assert self.cache is not None
         session = self.cache.open_session(request.batch_size, request.max_length)
         self.counters.sessions_opened += 1
@@ -561,6 +590,13 @@ def _training_backward(
     return grads[0], grads[1] if prompts is not None else None
 
 
+def _corrupted(output: torch.Tensor) -> torch.Tensor:
+    """A lying server's output (PEERD_TEST_CORRUPT): noise of 5% of each token's largest value,
+    small enough to look plausible, far past the verifier's tolerance."""
+    scale = output.abs().amax(dim=-1, keepdim=True)
+    return output + 0.05 * scale * torch.randn_like(output)
+
+
 class LocalSession:
     """An inference session on our own BlockServer (see BlockServer.open_local)."""
 
@@ -582,3 +618,4 @@ class LocalSession:
 
     def close(self) -> None:
         self.session.close()
+        self.server.admission.cache_freed()

@@ -81,6 +81,8 @@ class SwarmView:
         self.local_server: BlockServer | None = None
         self.rtts = RttTracker()
         self.bans = BanList()
+        # Fraction of steps this daemon's sessions re-run on a second server (peerd.verify).
+        self.verify_fraction = 0.0
         self._refresh_lock = trio.Lock()
 
     # --- announcing ---------------------------------------------------------------------------
@@ -208,6 +210,12 @@ class SwarmView:
         self.records.pop(peer_id, None)
         self.rtts.record_failure(peer_id)
         self.bans.record_failure(peer_id, time.time())
+
+    def report_lie(self, peer_id: str) -> None:
+        """A server returned wrong results (peerd.verify caught it): out of the view and banned
+        for a long time, whatever it answers later."""
+        self.records.pop(peer_id, None)
+        self.bans.ban_liar(peer_id, time.time())
 
     def report_success(self, peer_id: str) -> None:
         self.bans.record_success(peer_id)

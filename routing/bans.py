@@ -2,8 +2,9 @@
 
 A peer that fails a request is skipped by route planning for a while: 1 s after the first
 failure, doubling with each further failure up to a cap, and forgiven entirely on its next
-success. The clock is the caller's (`now` in seconds, e.g. `trio.current_time()`), so tests
-drive time by hand.
+success. A peer caught returning wrong results is banned for a fixed, long time that no later
+success shortens (`ban_liar`). The clock is the caller's (`now` in seconds, e.g.
+`trio.current_time()`), so tests drive time by hand.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ DEFAULT_BASE_BAN_S = 1.0
 # A peer that keeps failing is still retried every 5 minutes in case it recovered; longer and
 # a restarted volunteer would sit unused, shorter and a dead one keeps costing timeouts.
 DEFAULT_MAX_BAN_S = 300.0
+# A peer caught lying (wrong results, checked against two others) is not a blip: it stays out
+# for a day, whatever else it answers correctly meanwhile.
+DEFAULT_LIAR_BAN_S = 86400.0
 
 
 @dataclass
@@ -37,6 +41,7 @@ class BanList:
         self.base_s = base_s
         self.max_s = max_s
         self._strikes: dict[str, _Strikes] = {}
+        self._liars: dict[str, float] = {}  # peer -> when its liar's ban ends
 
     def record_failure(self, peer_id: str, now: float) -> float:
         """Ban `peer_id` after a failure at `now`; return when the ban ends.
@@ -55,11 +60,23 @@ class BanList:
         strikes.banned_until = now + min(self.base_s * 2.0**exponent, self.max_s)
         return strikes.banned_until
 
+    def ban_liar(self, peer_id: str, now: float, seconds: float = DEFAULT_LIAR_BAN_S) -> float:
+        """Ban `peer_id` for `seconds` from `now` for returning wrong results; return when the ban
+        ends. record_success does not lift it."""
+        until = max(self._liars.get(peer_id, -math.inf), now + seconds)
+        self._liars[peer_id] = until
+        return until
+
+    def is_liar(self, peer_id: str, now: float) -> bool:
+        return now < self._liars.get(peer_id, -math.inf)
+
     def record_success(self, peer_id: str) -> None:
         """Forgive `peer_id` completely: its next failure starts again at the base ban."""
         self._strikes.pop(peer_id, None)
 
     def is_banned(self, peer_id: str, now: float) -> bool:
+        if self.is_liar(peer_id, now):
+            return True
         strikes = self._strikes.get(peer_id)
         return strikes is not None and now < strikes.banned_until
 
@@ -75,4 +92,5 @@ class BanList:
 
     def banned(self, now: float) -> frozenset[str]:
         """Every peer banned at `now`."""
-        return frozenset(p for p, s in self._strikes.items() if now < s.banned_until)
+        failed = {p for p, s in self._strikes.items() if now < s.banned_until}
+        return frozenset(failed | {p for p, until in self._liars.items() if now < until})

@@ -92,3 +92,14 @@ def test_bans_never_exceed_the_cap(events: list[tuple[str, bool, float]]) -> Non
         else:
             bans.record_success(peer)
             assert not bans.is_banned(peer, now)
+
+
+def test_a_liar_stays_banned_whatever_it_answers_later() -> None:
+    bans = BanList(base_s=1.0, max_s=5.0)
+    assert bans.ban_liar("liar", now=10.0, seconds=1000.0) == 1010.0
+    bans.record_success("liar")
+    assert bans.is_banned("liar", 500.0) and bans.is_liar("liar", 500.0)
+    assert bans.banned(500.0) == frozenset({"liar"})
+    bans.record_failure("liar", now=600.0)  # a short ban on top does not shorten it
+    assert bans.is_banned("liar", 1009.0)
+    assert not bans.is_banned("liar", 1010.0)
