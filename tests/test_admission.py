@@ -1,14 +1,24 @@
 """Admission control of a block server (peerd.admission): the FIFO wait for cache, its typed
-timeout, and the per-peer limits on sessions and bytes in flight. Pure trio, no network."""
+timeout, and the per-peer limits on sessions and bytes in flight (pure trio), then the same
+against a real daemon over libp2p."""
 
 from __future__ import annotations
+
+import uuid
+from typing import Any
 
 import pytest
 import trio
 import trio.testing
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
 
+import wire
 from blocks import MemoryCache, SpanSession
 from peerd.admission import Admission, Refused
+from peerd.localswarm import LocalSwarm
+from peerd.p2p import INFERENCE_PROTOCOL, INFO_PROTOCOL, Node, open_node, parse_peer_maddr
+from peerd.streams import MessageStream
 
 
 def _admission(**limits: int) -> Admission:
@@ -122,3 +132,75 @@ def test_bytes_in_flight_per_peer_are_limited() -> None:
         with admission.inflight("b", 60), admission.inflight("b", 40):
             assert admission.inflight_bytes_of("b") == 100
     assert admission.inflight_bytes_of("a") == admission.inflight_bytes_of("b") == 0
+
+
+# --- a real daemon -------------------------------------------------------------------------------
+
+
+async def _open(node: Node, peer: str, max_length: int, wait: float) -> tuple[Any, Any]:
+    """(stream, first reply) of an OpenSession on blocks 10:20 of the default model."""
+    raw = await node.host.new_stream(ID.from_base58(peer), [INFERENCE_PROTOCOL])
+    stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
+    await stream.send(
+        wire.OpenSession(
+            session_id=uuid.uuid4().hex,
+            model="smollm2-135m-instruct",
+            start=10,
+            end=20,
+            max_length=max_length,
+            wait_timeout=wait,
+        )
+    )
+    return stream, await stream.receive(30)
+
+
+async def _record(node: Node, peer: str) -> wire.ServerInfo:
+    raw = await node.host.new_stream(ID.from_base58(peer), [INFO_PROTOCOL])
+    stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
+    await stream.send(wire.InfoRequest())
+    reply = await stream.receive(10)
+    await stream.close()
+    assert isinstance(reply, wire.InfoResponse)
+    return reply.record
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+async def test_a_full_daemon_queues_then_refuses_with_a_typed_error(swarm: LocalSwarm) -> None:
+    daemon = swarm.daemons[1]  # blocks 10:20, 16384 tokens of cache
+    async with open_node(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as node:
+        await node.connect(parse_peer_maddr(daemon.maddr))
+        record = await _record(node, daemon.peer_id)
+        assert (record.max_session_length, record.max_sessions_per_peer) == (8192, 64)
+        assert record.max_inflight_bytes_per_peer == 256 << 20
+        assert record.free_cache_tokens == 16384
+        # Two sessions of 8192 tokens fill the cache.
+        first, reply = await _open(node, daemon.peer_id, 8192, 0)
+        assert isinstance(reply, wire.SessionOpened)
+        second, reply = await _open(node, daemon.peer_id, 8192, 0)
+        assert isinstance(reply, wire.SessionOpened)
+        started = trio.current_time()
+        _, reply = await _open(node, daemon.peer_id, 1000, 0.5)
+        assert isinstance(reply, wire.Error) and reply.code == "cache_full_timeout"
+        assert trio.current_time() - started >= 0.5
+        assert "0 of 16384 tokens free" in reply.message and "asks for 1000" in reply.message
+        # A patient session waits in the queue (the record shows it) and gets in when one closes.
+        async with trio.open_nursery() as nursery:
+            opened: list[Any] = []
+
+            async def wait_in_queue() -> None:
+                opened.append(await _open(node, daemon.peer_id, 1000, 30))
+
+            nursery.start_soon(wait_in_queue)
+            await trio.sleep(1)
+            record = await _record(node, daemon.peer_id)
+            assert (record.queued_sessions, record.free_cache_tokens) == (1, 0)
+            assert not opened
+            await first.send(wire.CloseSession(session_id="closing"))
+            await first.close()
+        assert isinstance(opened[0][1], wire.SessionOpened)
+        for stream in (second, opened[0][0]):
+            await stream.close()
+        with trio.fail_after(10):
+            while (await _record(node, daemon.peer_id)).free_cache_tokens != 16384:
+                await trio.sleep(0.2)
