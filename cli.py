@@ -415,6 +415,36 @@ def bench_swarm(
     _print_report(run_swarm_bench(runs=runs, new_tokens=new_tokens), as_json)
 
 
+@bench_app.command("soak")
+def bench_soak(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    duration: float = typer.Option(300.0, min=1.0, help="Seconds the clients keep generating."),
+    clients: int = typer.Option(4, min=1, help="Clients generating at once."),
+    kill_every: float = typer.Option(30.0, min=1.0, help="Seconds between server kills."),
+    new_tokens: int = typer.Option(24, min=1, help="Greedy tokens per generation."),
+    warmup: float | None = typer.Option(
+        None, min=0.0, help="Seconds before the RSS baseline (default: a fifth, at most 60)."
+    ),
+) -> None:
+    """Clients generate while servers are killed and restarted; failures, latency, RSS."""
+    from peerd.bench.soak import run_soak_bench
+    from peerd.daemon import configure_logging
+
+    configure_logging("warning")
+    try:
+        report = run_soak_bench(
+            duration_s=duration,
+            clients=clients,
+            kill_every_s=kill_every,
+            new_tokens=new_tokens,
+            warmup_s=warmup,
+        )
+    except ValueError as e:
+        typer.echo(f"peerd bench soak: {e}", err=True)
+        raise typer.Exit(2) from None
+    _print_report(report, as_json)
+
+
 @service_app.command("install", context_settings={"allow_interspersed_args": False})
 def service_install(
     start_args: list[str] = typer.Argument(
