@@ -53,6 +53,7 @@ class _Stats:
     first_token: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     kills: list[str] = field(default_factory=list)
+    duration: float = 0.0
 
 
 def _rss_mb(daemon: DaemonProcess) -> float:
@@ -116,23 +117,41 @@ async def _killer(
     deadline: float,
     stats: _Stats,
 ) -> None:
-    """Kill the victims in turn every `every` seconds and restart each at once (same identity)."""
+    """Every `every` seconds kill the next victim that is up (in turn) and restart it at once
+    with the same identity, in the background: a slow restart does not delay the next kill."""
     turn = 0
-    next_kill = trio.current_time() + every
-    while next_kill < deadline:
-        await trio.sleep_until(next_kill)
-        index = turn % len(victims)
+    restarting: set[int] = set()
+
+    async def restart(index: int, name: str) -> None:
         daemon, span = victims[index]
-        await trio.to_thread.run_sync(daemon.kill)
-        stats.kills.append(f"{daemon.name} ({span}) at {every * (turn + 1):.0f} s")
-        turn += 1
         identity = daemon.identity.stem
-        restart = functools.partial(
-            swarm.start, f"{identity}-{turn}", span, "--throughput", VICTIM_THROUGHPUT
+        start = functools.partial(
+            swarm.start, name, span, "--throughput", VICTIM_THROUGHPUT, identity=identity
         )
-        restarted = await trio.to_thread.run_sync(functools.partial(restart, identity=identity))
-        victims[index] = (restarted, span)
-        next_kill = max(next_kill + every, trio.current_time())
+        try:
+            victims[index] = (await trio.to_thread.run_sync(start), span)
+        finally:
+            restarting.discard(index)
+
+    async with trio.open_nursery() as nursery:
+        next_kill = trio.current_time() + every
+        while next_kill < deadline:
+            await trio.sleep_until(next_kill)
+            at = next_kill
+            next_kill += every
+            up = [i for i in range(len(victims)) if i not in restarting]
+            if not up:
+                stats.kills.append(
+                    f"none at {at - deadline + stats.duration:.0f} s (all restarting)"
+                )
+                continue
+            index = min(up, key=lambda i: (i - turn) % len(victims))
+            turn = index + 1
+            daemon, span = victims[index]
+            await trio.to_thread.run_sync(daemon.kill)
+            stats.kills.append(f"{daemon.name} ({span}) at {at - deadline + stats.duration:.0f} s")
+            restarting.add(index)
+            nursery.start_soon(restart, index, f"{daemon.identity.stem}-{len(stats.kills)}")
 
 
 async def _soak(
@@ -147,7 +166,7 @@ async def _soak(
     new_tokens: int,
     warmup_s: float,
 ) -> dict[str, Any]:
-    stats = _Stats()
+    stats = _Stats(duration=duration_s)
     # The honest answer of every prompt, before anything is killed (and a warm-up of the path).
     references = [await _generate(client.socket, p, new_tokens, None) for p in PROMPTS]
     rss_start = {d.name: _rss_mb(d) for d in long_lived}
@@ -170,7 +189,7 @@ async def _soak(
         "duration_s": round(elapsed, 1),
         "clients": clients,
         "kill_every_s": kill_every_s,
-        "kills": len(stats.kills),
+        "kills": sum(not kill.startswith("none") for kill in stats.kills),
         "killed": stats.kills,
         "completed": stats.completed,
         "failed": stats.failed,
