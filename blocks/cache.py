@@ -59,9 +59,18 @@ class SpanSession:
     Span.forward may run in a worker thread, one call at a time per session.
     """
 
-    def __init__(self, owner: MemoryCache, batch_size: int, max_length: int) -> None:
+    def __init__(
+        self,
+        owner: MemoryCache,
+        batch_size: int,
+        max_length: int,
+        left_padding: tuple[int, ...] | None = None,
+    ) -> None:
         self.batch_size = batch_size
         self.max_length = max_length
+        # Per row: how many of its first positions are padding (prompts of different lengths,
+        # left-padded to one); the blocks never attend to them and count positions after them.
+        self.left_padding = left_padding or (0,) * batch_size
         self.tokens = batch_size * max_length
         self._owner = owner
         self._kv: KVCache | None = None
@@ -105,6 +114,10 @@ class SpanSession:
         state = "closed" if self.closed else f"position={self.position}"
         return f"SpanSession(batch_size={self.batch_size}, max_length={self.max_length}, {state})"
 
+    @property
+    def padded(self) -> bool:
+        return any(self.left_padding)
+
     def acquire(
         self, span_key: tuple[int, int, int], first_layer: int, num_layers: int, new_tokens: int
     ) -> KVCache:
@@ -138,6 +151,20 @@ class SpanSession:
         self._busy.release()
 
 
+def check_left_padding(left_padding: tuple[int, ...], batch_size: int, max_length: int) -> None:
+    """ValueError unless there is one padding count per row, each leaving room for a token."""
+    if len(left_padding) != batch_size:
+        raise ValueError(
+            f"left_padding gives {len(left_padding)} rows, the batch has {batch_size}: "
+            "give one count of padding positions per row"
+        )
+    if any(not 0 <= pad < max_length for pad in left_padding):
+        raise ValueError(
+            f"left_padding {list(left_padding)} must be in 0..{max_length - 1} (max_length "
+            f"{max_length}), so every row keeps a position for a token"
+        )
+
+
 class MemoryCache:
     """The attention-cache budget of a server, in tokens: a session of batch_size x max_length
     reserves exactly that many tokens until it closes. Thread-safe."""
@@ -165,11 +192,17 @@ class MemoryCache:
         with self._lock:
             return len(self._sessions)
 
-    def open_session(self, batch_size: int, max_length: int) -> SpanSession:
-        """Reserve batch_size * max_length tokens, or raise CacheFull and change nothing."""
+    def open_session(
+        self, batch_size: int, max_length: int, left_padding: tuple[int, ...] | None = None
+    ) -> SpanSession:
+        """Reserve batch_size * max_length tokens, or raise CacheFull and change nothing.
+
+        `left_padding[r]`: the first positions of row r that are padding, not tokens."""
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"batch_size and max_length must be >= 1: {batch_size}, {max_length}")
-        session = SpanSession(self, batch_size, max_length)
+        if left_padding is not None:
+            check_left_padding(left_padding, batch_size, max_length)
+        session = SpanSession(self, batch_size, max_length, left_padding)
         with self._lock:
             free = self.budget_tokens - self._used
             if session.tokens > free:

@@ -29,6 +29,44 @@ from blocks.errors import UnsupportedModelError
 
 # What a family gives a layer besides hidden states and the KV cache: masks, positions, ALiBi.
 LayerInputs = Callable[[PretrainedConfig, nn.Module | None, torch.Tensor, int], dict[str, Any]]
+# The same for rows of one forward that differ in past length and left padding (see RowMasks).
+MaskedInputs = Callable[
+    [PretrainedConfig, nn.Module | None, torch.Tensor, "RowMasks"], dict[str, Any]
+]
+
+
+@dataclass(frozen=True)
+class RowMasks:
+    """Where each row of a forward stands, for rows with their own past lengths and padding.
+
+    `allowed[r, 0, q, k]`: query q of row r may attend to key k (causal, not padding, within the
+    sliding window; a query always sees its own key, so a padding query never attends to nothing
+    and never turns into NaN). `position_ids[r, q]`: its position counted without the row's
+    padding. `key_valid[r, k]`: key k of row r is a real token (ALiBi counts those).
+    """
+
+    allowed: torch.Tensor  # bool [rows, 1, queries, keys]
+    position_ids: torch.Tensor  # long [rows, queries]
+    key_valid: torch.Tensor  # bool [rows, keys]
+
+    @staticmethod
+    def build(
+        past: torch.Tensor, pads: torch.Tensor, queries: int, keys: int, window: int | None
+    ) -> RowMasks:
+        """Masks for rows whose new tokens start at `past[r]` (absolute, padding included) and
+        whose first `pads[r]` positions are left padding."""
+        absolute = past[:, None] + torch.arange(queries, device=past.device)[None]  # [rows, q]
+        key = torch.arange(keys, device=past.device)[None, None]  # [1, 1, k]
+        at = absolute[..., None]
+        allowed = (key <= at) & (key >= pads[:, None, None])
+        if window is not None:  # transformers counts the window over absolute positions
+            allowed &= key > at - window
+        allowed |= key == at
+        return RowMasks(
+            allowed=allowed[:, None],
+            position_ids=(absolute - pads[:, None]).clamp(min=0),
+            key_valid=key[0] >= pads[:, None],
+        )
 
 
 @dataclass(frozen=True)
@@ -48,6 +86,7 @@ class Family:
     make_norm: Callable[[PretrainedConfig], nn.Module]
     make_rotary: Callable[[PretrainedConfig], nn.Module | None]
     layer_inputs: LayerInputs
+    masked_inputs: MaskedInputs
     kv_width: Callable[[PretrainedConfig], int]  # key (= value) features cached per token per layer
     convert_block: Callable[[dict[str, torch.Tensor], PretrainedConfig], dict[str, torch.Tensor]]
     experts_implementation: str | None = None  # mixture-of-experts kernel, as transformers picks
@@ -155,6 +194,58 @@ def _falcon_inputs(
     }
 
 
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean attention mask as the additive float mask eager attention adds to its scores."""
+    lowest = torch.finfo(dtype).min
+    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), lowest)
+
+
+def _rotary_masked(
+    config: PretrainedConfig, rotary: nn.Module | None, hidden: torch.Tensor, rows: RowMasks
+) -> dict[str, Any]:
+    assert rotary is not None
+    return {
+        "attention_mask": rows.allowed,  # sdpa takes the boolean mask as it is
+        "position_ids": rows.position_ids,
+        "position_embeddings": rotary(hidden, rows.position_ids),
+    }
+
+
+def _bloom_masked(
+    config: PretrainedConfig, rotary: nn.Module | None, hidden: torch.Tensor, rows: RowMasks
+) -> dict[str, Any]:
+    return {
+        "alibi": modeling_bloom.build_alibi_tensor(
+            rows.key_valid.long(), config.n_head, hidden.dtype
+        ),
+        "attention_mask": _additive(rows.allowed, hidden.dtype),
+    }
+
+
+def _falcon_masked(
+    config: PretrainedConfig, rotary: nn.Module | None, hidden: torch.Tensor, rows: RowMasks
+) -> dict[str, Any]:
+    if not config.alibi:
+        assert rotary is not None
+        return {
+            "alibi": None,
+            "attention_mask": rows.allowed,
+            "position_ids": rows.position_ids,
+            "position_embeddings": rotary(hidden, rows.position_ids),
+        }
+    batch_size, kv_length = rows.key_valid.shape
+    heads = config.num_attention_heads
+    alibi = modeling_falcon.build_alibi_tensor(rows.key_valid.long(), heads, hidden.dtype)
+    scale = math.sqrt(config.hidden_size // heads)
+    bias = alibi.reshape(batch_size, heads, 1, kv_length) / scale
+    return {
+        "alibi": alibi,
+        "attention_mask": torch.masked_fill(bias, ~rows.allowed, torch.finfo(hidden.dtype).min),
+        "position_ids": rows.position_ids,
+        "position_embeddings": None,
+    }
+
+
 def _same_names(
     weights: dict[str, torch.Tensor], config: PretrainedConfig
 ) -> dict[str, torch.Tensor]:
@@ -218,6 +309,7 @@ LLAMA = Family(
     make_norm=lambda c: modeling_llama.LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps),
     make_rotary=_rotary(modeling_llama.LlamaRotaryEmbedding),
     layer_inputs=_rotary_inputs,
+    masked_inputs=_rotary_masked,
     kv_width=lambda c: c.num_key_value_heads * _head_dim(c),
     convert_block=_same_names,
 )
@@ -237,6 +329,7 @@ MIXTRAL = Family(
     make_norm=lambda c: modeling_mixtral.MixtralRMSNorm(c.hidden_size, eps=c.rms_norm_eps),
     make_rotary=_rotary(modeling_mixtral.MixtralRotaryEmbedding),
     layer_inputs=_rotary_inputs,
+    masked_inputs=_rotary_masked,
     kv_width=lambda c: c.num_key_value_heads * _head_dim(c),
     convert_block=_mixtral_block,
     experts_implementation="grouped_mm",
@@ -258,6 +351,7 @@ BLOOM = Family(
     make_norm=_layer_norm,
     make_rotary=lambda c: None,
     layer_inputs=_bloom_inputs,
+    masked_inputs=_bloom_masked,
     kv_width=lambda c: c.hidden_size,
     convert_block=_same_names,
 )
@@ -277,6 +371,7 @@ FALCON = Family(
     make_norm=_layer_norm,
     make_rotary=lambda c: None if c.alibi else _rotary(modeling_falcon.FalconRotaryEmbedding)(c),
     layer_inputs=_falcon_inputs,
+    masked_inputs=_falcon_masked,
     kv_width=lambda c: _falcon_kv_heads(c) * _head_dim(c),
     convert_block=_same_names,
 )

@@ -12,7 +12,7 @@ from transformers import PretrainedConfig
 
 from blocks.cache import KVCache, SpanSession
 from blocks.checkpoint import CheckpointTensors, load_config, model_name, resolve_checkpoint
-from blocks.families import Family, family_of, prepare_config
+from blocks.families import Family, RowMasks, family_of, prepare_config
 from blocks.lora import AdapterError, AdapterInfo, attach_adapter, read_adapter, use_adapter
 from wire.peer_protocol import check_prompts
 
@@ -122,6 +122,8 @@ class Span(nn.Module):
             return self._run_blocks(hidden_states, None, past_length=0, prompts=prompts)
         if prompts is not None:
             raise ValueError("deep prompts go with cache-less passes only, not a session's steps")
+        if session.padded:
+            return self.forward_batch([(hidden_states, session)])[0]
         batch_size, new_tokens = hidden_states.shape[:2]
         if batch_size != session.batch_size:
             raise ValueError(
@@ -146,6 +148,91 @@ class Span(nn.Module):
         finally:
             session.release()
 
+    def forward_batch(
+        self, steps: Sequence[tuple[torch.Tensor, SpanSession]]
+    ) -> list[torch.Tensor]:
+        """Steps of several sessions in one forward: each hidden_states [batch_i, tokens_i, hidden]
+        continues its own session, whatever its past length and left padding, and its output is
+        what span(hidden_states_i, session_i) alone would give (up to float rounding).
+
+        Rows are stacked, shorter steps padded, and every row attends to its own cache only, so a
+        server merges concurrent decode steps of its clients into one pass over its weights.
+        """
+        kvs: list[KVCache] = []
+        acquired: list[SpanSession] = []
+        span_key = (id(self), self.start, self.end)
+        try:
+            for hidden, session in steps:
+                if hidden.shape[0] != session.batch_size:
+                    raise ValueError(
+                        f"hidden_states hold {hidden.shape[0]} sequences; the session was opened "
+                        f"for {session.batch_size}"
+                    )
+                kvs.append(session.acquire(span_key, self.start, self.num_blocks, hidden.shape[1]))
+                acquired.append(session)
+        except BaseException:
+            for session in acquired:
+                session.release()
+            raise
+        positions = [kv.length for kv in kvs]
+        inputs = [h.to(device=self.device, dtype=self.dtype) for h, _ in steps]
+        outputs: list[list[torch.Tensor]] = [[] for _ in steps]
+        try:
+            with torch.inference_mode():
+                longest = max(h.shape[1] for h in inputs)
+                for begin in range(0, longest, self.chunk_tokens):
+                    live = [i for i, h in enumerate(inputs) if h.shape[1] > begin]
+                    chunk = [inputs[i][:, begin : begin + self.chunk_tokens] for i in live]
+                    parts = [
+                        (h, kvs[i], steps[i][1].left_padding)
+                        for h, i in zip(chunk, live, strict=True)
+                    ]
+                    for i, out in zip(live, self._run_rows(parts), strict=True):
+                        outputs[i].append(out)
+            return [out[0] if len(out) == 1 else torch.cat(out, dim=1) for out in outputs]
+        except BaseException:
+            for kv, position in zip(kvs, positions, strict=True):
+                kv.length = position
+            raise
+        finally:
+            for session in acquired:
+                session.release()
+
+    def _run_rows(
+        self, parts: list[tuple[torch.Tensor, KVCache, tuple[int, ...]]]
+    ) -> list[torch.Tensor]:
+        """One pass of stacked rows (see forward_batch); advances each part's cache."""
+        queries = max(h.shape[1] for h, _, _ in parts)
+        keys = max(kv.length + h.shape[1] for h, kv, _ in parts)
+        if len(parts) == 1:
+            hidden = parts[0][0]
+        else:
+            first = parts[0][0]
+            rows = sum(h.shape[0] for h, _, _ in parts)
+            hidden = first.new_zeros(rows, queries, first.shape[2])
+            row = 0
+            for h, _, _ in parts:
+                hidden[row : row + h.shape[0], : h.shape[1]] = h
+                row += h.shape[0]
+        past = torch.tensor([kv.length for h, kv, _ in parts for _ in range(h.shape[0])])
+        pads = torch.tensor([pad for _, _, padding in parts for pad in padding])
+        window = getattr(self.config, "sliding_window", None)
+        masks = RowMasks.build(past.to(self.device), pads.to(self.device), queries, keys, window)
+        inputs = self.family.masked_inputs(self.config, self.rotary, hidden, masks)
+        inputs[self.family.cache_kwarg] = _RowsKV(
+            [(kv, h.shape[0], h.shape[1]) for h, kv, _ in parts], keys
+        )
+        for layer in self.layers:
+            output = layer(hidden, **inputs)
+            hidden = output[0] if isinstance(output, tuple) else output
+        outputs = []
+        row = 0
+        for h, kv, _ in parts:
+            outputs.append(hidden[row : row + h.shape[0], : h.shape[1]])
+            row += h.shape[0]
+            kv.length += h.shape[1]
+        return outputs
+
     def _run_blocks(
         self,
         hidden: torch.Tensor,
@@ -167,6 +254,39 @@ class Span(nn.Module):
 
     def extra_repr(self) -> str:
         return f"model={self.model!r}, blocks={self.start}:{self.end}, family={self.family.name}"
+
+
+class _RowsKV:
+    """The cache the layers see in a forward of several sessions' rows: each part's new keys and
+    values go into its own session's cache, and attention gets every part's, padded to one width
+    (the masks hide the padding)."""
+
+    def __init__(self, parts: list[tuple[KVCache, int, int]], keys: int) -> None:
+        self.parts = parts  # (cache, rows, new tokens) in row order
+        self.keys = keys
+
+    def update(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        *args: object,
+        **kwargs: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(self.parts) == 1:
+            return self.parts[0][0].update(key, value, layer_idx)
+        all_keys = key.new_zeros(key.shape[0], key.shape[1], self.keys, key.shape[3])
+        all_values = value.new_zeros(value.shape[0], value.shape[1], self.keys, value.shape[3])
+        row = 0
+        for kv, rows, tokens in self.parts:
+            end = row + rows
+            keys, values = kv.update(
+                key[row:end, :, :tokens], value[row:end, :, :tokens], layer_idx
+            )
+            all_keys[row:end, :, : keys.shape[2]] = keys
+            all_values[row:end, :, : values.shape[2]] = values
+            row = end
+        return all_keys, all_values
 
 
 def load_span(

@@ -206,6 +206,98 @@ def test_batched_session_matches_one_sequence_at_a_time(tiny: dict[str, Path]) -
     assert cache.used_tokens == 0
 
 
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_steps_of_several_sessions_in_one_forward_match_each_alone(
+    tiny: dict[str, Path], name: str
+) -> None:
+    """A server merges concurrent steps of different sessions (different past lengths, one of
+    them a padded batch, one step longer than the others) into one forward: each session's
+    output and cache must be what the step alone gives."""
+    span = blocks.load_span(tiny[name], 0, 3)
+    cache = blocks.MemoryCache(budget_tokens=10_000)
+    torch.manual_seed(4)
+    prompts = [torch.randn(1, 5, 32), torch.randn(2, 2, 32), torch.randn(1, 9, 32)]
+    paddings = [None, (1, 0), None]
+    steps = [[torch.randn(b.shape[0], t, 32) for t in (1, 1, 3, 1)] for b in prompts]
+    steps[2][2] = steps[2][2][:, :1]  # mixed lengths in the third round: 1, 3, 1 tokens
+
+    def open_all() -> list[blocks.SpanSession]:
+        sessions = []
+        for prompt, padding in zip(prompts, paddings, strict=True):
+            session = cache.open_session(prompt.shape[0], 32, padding)
+            span(prompt, session)
+            sessions.append(session)
+        return sessions
+
+    with torch.no_grad():
+        alone, merged = open_all(), open_all()
+        for round_ in range(4):
+            want = [span(steps[i][round_], s) for i, s in enumerate(alone)]
+            got = span.forward_batch([(steps[i][round_], s) for i, s in enumerate(merged)])
+            for g, w in zip(got, want, strict=True):
+                # fp32 rounding of a differently shaped matmul only: these random models'
+                # activations reach 100, so the bound is relative to the output's scale.
+                assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())
+    assert [s.position for s in merged] == [s.position for s in alone] == [11, 8, 13]
+
+
+def test_a_failed_batched_forward_leaves_every_session_as_it_was(tiny: dict[str, Path]) -> None:
+    span = blocks.load_span(tiny["llama"], 0, 2)
+    cache = blocks.MemoryCache(budget_tokens=1_000)
+    with torch.no_grad(), cache.open_session(1, 8) as a, cache.open_session(1, 4) as b:
+        span(torch.randn(1, 3, 32), a)
+        with pytest.raises(blocks.SessionOverflow):
+            span.forward_batch([(torch.randn(1, 1, 32), a), (torch.randn(1, 5, 32), b)])
+        with pytest.raises(ValueError, match="opened for 1"):
+            span.forward_batch([(torch.randn(1, 1, 32), a), (torch.randn(2, 1, 32), b)])
+        assert (a.position, b.position) == (3, 0)
+        span.forward_batch([(torch.randn(1, 1, 32), a), (torch.randn(1, 1, 32), b)])
+        assert (a.position, b.position) == (4, 1)
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_left_padded_prompts_generate_as_each_prompt_alone_and_as_transformers(
+    tiny: dict[str, Path], name: str
+) -> None:
+    """Prompts of different lengths in one session, left-padded: row by row the same greedy
+    tokens as each prompt alone, and as transformers' batched generate with the same padding."""
+    path = tiny[name]
+    reference = _reference(path)
+    client = blocks.load_client_side(path)
+    spans = _spans(path, reference.config.num_hidden_layers)
+    cache = blocks.MemoryCache(budget_tokens=10_000)
+    prompts = [[3, 14, 15, 92, 65, 35, 8], [7, 1], [44, 2, 9, 71]]
+    width = max(len(p) for p in prompts)
+    padding = tuple(width - len(p) for p in prompts)
+    ids = torch.tensor([[0] * pad + p for pad, p in zip(padding, prompts, strict=True)])
+    mask = torch.tensor([[0] * pad + [1] * len(p) for pad, p in zip(padding, prompts, strict=True)])
+    with torch.no_grad():
+        sessions = [cache.open_session(3, 16, padding) for _ in spans]
+        together = _greedy(client, spans, sessions, ids, 8)
+        for row, prompt in enumerate(prompts):
+            sessions = [cache.open_session(1, 16) for _ in spans]
+            alone = _greedy(client, spans, sessions, torch.tensor([prompt]), 8)
+            assert together[row].tolist() == alone[0].tolist(), f"row {row}"
+        theirs = reference.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=8,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[:, width:]
+    assert together.tolist() == theirs.tolist()
+
+
+def test_left_padding_must_fit_the_session(tiny: dict[str, Path]) -> None:
+    cache = blocks.MemoryCache(budget_tokens=1_000)
+    with pytest.raises(ValueError, match="one count of padding positions per row"):
+        cache.open_session(2, 8, (1,))
+    with pytest.raises(ValueError, match="keeps a position"):
+        cache.open_session(2, 8, (0, 8))
+    assert cache.used_tokens == 0
+
+
 def test_sub_span_shares_weights_and_runs_like_the_blocks_it_holds(tiny: dict[str, Path]) -> None:
     span = blocks.load_span(tiny["llama"], 1, 5)
     part = span.sub_span(2, 4)
