@@ -89,6 +89,9 @@ def start(
         max=1.0,
         help="Re-run this fraction of generation steps on a second server and ban liars.",
     ),
+    batching: bool = typer.Option(
+        True, "--batching/--no-batching", help="Merge concurrent clients' steps into one forward."
+    ),
 ) -> None:
     """Serve blocks of a model to the swarm and route generations for local clients."""
     from peerd.daemon import DaemonConfig, DaemonError, configure_logging, run
@@ -124,6 +127,7 @@ def start(
         swarm_name=swarm_name,
         adapters=list(adapters),
         verify_fraction=verify,
+        batching=batching,
     )
     try:
         run(config)
@@ -443,6 +447,22 @@ def bench_soak(
         typer.echo(f"peerd bench soak: {e}", err=True)
         raise typer.Exit(2) from None
     _print_report(report, as_json)
+
+
+@bench_app.command("batch")
+def bench_batch(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    runs: int = typer.Option(3, min=1, help="Rounds; medians are reported."),
+    sessions: int = typer.Option(8, min=2, help="Concurrent sessions."),
+    new_tokens: int = typer.Option(32, min=4, help="Greedy tokens per session."),
+) -> None:
+    """Aggregate decode tokens/s of concurrent sessions over one session, with server-side
+    batching and without (three local daemons each), same run."""
+    from peerd.bench.batch import run_batch_bench
+    from peerd.daemon import configure_logging
+
+    configure_logging("warning")
+    _print_report(run_batch_bench(runs=runs, sessions=sessions, new_tokens=new_tokens), as_json)
 
 
 @service_app.command("install", context_settings={"allow_interspersed_args": False})

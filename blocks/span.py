@@ -99,14 +99,17 @@ class Span(nn.Module):
         tuning; a batch of 1 is shared by every sequence).
         `adapter` names a LoRA adapter of this span to apply (a session must keep to one).
         """
+        self._check_adapter(adapter)
+        with use_adapter(adapter):
+            return self._forward(hidden_states, session, prompts)
+
+    def _check_adapter(self, adapter: str | None) -> None:
         if adapter is not None and adapter not in self.adapters:
             offered = ", ".join(self.adapters) or "none"
             raise AdapterError(
                 f"this span has no adapter {adapter!r} (it has: {offered}); load it with "
                 "`peerd start --adapters DIR`"
             )
-        with use_adapter(adapter):
-            return self._forward(hidden_states, session, prompts)
 
     def _forward(
         self,
@@ -123,7 +126,7 @@ class Span(nn.Module):
         if prompts is not None:
             raise ValueError("deep prompts go with cache-less passes only, not a session's steps")
         if session.padded:
-            return self.forward_batch([(hidden_states, session)])[0]
+            return self._forward_batch([(hidden_states, session)])[0]
         batch_size, new_tokens = hidden_states.shape[:2]
         if batch_size != session.batch_size:
             raise ValueError(
@@ -149,15 +152,22 @@ class Span(nn.Module):
             session.release()
 
     def forward_batch(
-        self, steps: Sequence[tuple[torch.Tensor, SpanSession]]
+        self, steps: Sequence[tuple[torch.Tensor, SpanSession]], adapter: str | None = None
     ) -> list[torch.Tensor]:
         """Steps of several sessions in one forward: each hidden_states [batch_i, tokens_i, hidden]
         continues its own session, whatever its past length and left padding, and its output is
-        what span(hidden_states_i, session_i) alone would give (up to float rounding).
+        what span(hidden_states_i, session_i, adapter) alone would give (up to float rounding).
 
         Rows are stacked, shorter steps padded, and every row attends to its own cache only, so a
         server merges concurrent decode steps of its clients into one pass over its weights.
         """
+        self._check_adapter(adapter)
+        with use_adapter(adapter):
+            return self._forward_batch(steps)
+
+    def _forward_batch(
+        self, steps: Sequence[tuple[torch.Tensor, SpanSession]]
+    ) -> list[torch.Tensor]:
         kvs: list[KVCache] = []
         acquired: list[SpanSession] = []
         span_key = (id(self), self.start, self.end)

@@ -76,6 +76,7 @@ class DaemonConfig:
     adapters: list[Path] = field(default_factory=list)  # PEFT LoRA directories to serve
     limits: ServerLimits = field(default_factory=ServerLimits)
     verify_fraction: float = 0.0  # spot-check this fraction of our sessions' steps (peerd.verify)
+    batching: bool = True  # merge concurrent steps of different sessions into one forward
 
     def listen_addrs(self) -> list[str]:
         return self.host_maddrs or [f"/ip4/0.0.0.0/tcp/{self.port}"]
@@ -232,6 +233,7 @@ class Daemon:
             record_ttl=2 * config.refresh_period,
             node=self.node,
             adapters=tuple(a.name for a in self.adapters),
+            batching=config.batching,
         )
         self.server = server
         self.swarm.local_server = server

@@ -15,6 +15,7 @@ import torch
 import trio
 
 from blocks import ClientSide
+from peerd.compute import Coalescer
 from peerd.inference import InferenceSession
 from peerd.swarm import SwarmView
 
@@ -96,23 +97,32 @@ def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> torch.Tensor:
     return torch.as_tensor(encoded["input_ids"])
 
 
+@dataclass(frozen=True)
+class _NextToken:
+    hidden: torch.Tensor  # [batch, hidden] after the last block, at the last position
+    token_ids: torch.Tensor  # the sequence so far (repetition penalty)
+    params: SamplingParams
+    generator: torch.Generator
+
+
 class Generator:
     """Generates tokens for prompts, running the blocks through the swarm."""
 
     def __init__(self, client: ClientSide, swarm: SwarmView) -> None:
         self.client = client
         self.swarm = swarm
+        # Concurrent generations (local clients, gateway users) share LM-head passes.
+        self._next_tokens = Coalescer(self._sample_rows)
 
-    def _next_token(
-        self,
-        hidden: torch.Tensor,
-        token_ids: torch.Tensor,
-        params: SamplingParams,
-        generator: torch.Generator,
-    ) -> torch.Tensor:
+    def _sample_rows(self, requests: list[_NextToken]) -> list[torch.Tensor]:
+        """The next token of each request, with one LM-head pass over all their rows."""
         with torch.inference_mode():
-            logits = self.client.logits(hidden[:, -1])
-            return sample(logits, token_ids, params, generator)
+            logits = self.client.logits(torch.cat([r.hidden for r in requests]))
+            rows = logits.split([r.hidden.shape[0] for r in requests])
+            return [
+                sample(row, r.token_ids, r.params, r.generator)
+                for row, r in zip(rows, requests, strict=True)
+            ]
 
     def _embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
@@ -171,8 +181,8 @@ class Generator:
         for _ in range(max_new_tokens):
             hidden = await trio.to_thread.run_sync(self._embed, step_input)
             hidden = await session.step(hidden)
-            token = await trio.to_thread.run_sync(
-                self._next_token, hidden, token_ids, params, generator
+            token = await self._next_tokens(
+                _NextToken(hidden[:, -1], token_ids, params, generator)
             )
             yield token
             token_ids = torch.cat([token_ids, token], dim=1)

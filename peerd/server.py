@@ -24,7 +24,8 @@ import wire
 from blocks import MemoryCache, Span, SpanSession
 from peerd import __version__
 from peerd.admission import Admission, Refused
-from peerd.compute import PRIORITY_INFERENCE, PRIORITY_TRAINING, ComputeQueue
+from peerd.batching import StepBatcher
+from peerd.compute import PRIORITY_TRAINING, ComputeQueue
 from peerd.p2p import PUSH_PROTOCOL, Node
 from peerd.streams import Idle, MessageStream, PeerGone
 from routing.records import ServerRecord, ServerState
@@ -120,11 +121,14 @@ class BlockServer:
         record_ttl: float = math.inf,
         node: Node | None = None,
         adapters: tuple[str, ...] = (),
+        batching: bool = True,
     ) -> None:
         self.model = model
         self.adapters = adapters  # LoRA adapters the span is loaded with (named in the record)
         self._start, self._end = start, end
         self.compute = compute
+        # Concurrent steps of different sessions share a forward (batching=False: one each).
+        self.batcher = StepBatcher(compute, enabled=batching)
         self.peer_id = peer_id
         self.addrs = addrs
         self.limits = limits or ServerLimits()
@@ -322,7 +326,9 @@ class BlockServer:
         with self.admission.inflight(live.messages.remote_peer, size):
             async with live.lock:
                 live.last_active = trio.current_time()
-                output = await self.run_step(live.request, live.session, message)
+                output = await self.run_step(
+                    live.request, live.session, message, owner=live.messages.remote_peer
+                )
         pushed = True
         if message.next_hops:
             pushed = await self._push(message, output, compression)
@@ -469,9 +475,14 @@ class BlockServer:
         return wire.BackwardResult(grad_inputs=grad_inputs, grad_prompts=grad_prompts)
 
     async def run_step(
-        self, request: wire.OpenSession, session: SpanSession, message: wire.Step
+        self,
+        request: wire.OpenSession,
+        session: SpanSession,
+        message: wire.Step,
+        owner: str = "",
     ) -> torch.Tensor:
-        """Check one step against the session's limits, then run it on the compute queue."""
+        """Check one step against the session's limits, then run it on the compute queue, merged
+        with concurrent steps of other sessions; `owner` (the client's peer) gets fair turns."""
         if self.span is None or not (self.start <= request.start and request.end <= self.end):
             raise wire.ProtocolError(
                 f"this server now holds blocks {self.start}:{self.end} ({self.state.value}); "
@@ -481,8 +492,8 @@ class BlockServer:
         if message.start_position is not None:
             session.rollback(message.start_position)
         span = self._span_for(request.start, request.end)
-        output = await self.compute.run(
-            PRIORITY_INFERENCE, self._forward, span, hidden, session, request.active_adapter
+        output = await self.batcher.run(
+            span, session, hidden, owner or self.peer_id, request.active_adapter
         )
         if self._corrupt_fraction and random.random() < self._corrupt_fraction:
             output = _corrupted(output)
@@ -533,13 +544,6 @@ class BlockServer:
         if (start, end) not in self._subspans:
             self._subspans[(start, end)] = self.span.sub_span(start, end)
         return self._subspans[(start, end)]
-
-    @staticmethod
-    def _forward(
-        span: Span, hidden: torch.Tensor, session: SpanSession, adapter: str | None
-    ) -> torch.Tensor:
-        with torch.inference_mode():
-            return span.forward(hidden, session, adapter)
 
     async def _refuse(self, messages: MessageStream, code: str, text: str) -> None:
         self.counters.error(code)

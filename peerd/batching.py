@@ -1,0 +1,234 @@
+"""Server-side batching: concurrent steps of different sessions on one span run as one forward
+on the compute queue, and every session waits its fair turn.
+
+A decode step of one sequence reads every weight of the span to compute one token, and on a CPU
+most of its time is per-operation overhead, so a forward of 8 rows costs little more than a
+forward of one. Steps that arrive while the device is busy wait here; when the device is free,
+one round takes them together: the short ones (decode steps, small prefills) of one span merged
+into a single forward, or one piece of a long prefill on its own. Turns go to the client served
+least recently (then to the oldest step), so a client with a long prompt or many sessions cannot
+starve the others: a long prefill runs a chunk per turn, and decode rounds run between its chunks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from blocks import Span, SpanSession
+from peerd.compute import PRIORITY_INFERENCE, ComputeQueue
+
+# Most rows one merged forward takes; the rest wait for the next round (keeps a round short).
+MAX_BATCH_ROWS = 32
+# Steps of up to this many tokens merge with decode steps (small prefills, replays of a few
+# tokens); longer ones run alone, one chunk (Span.chunk_tokens) per turn.
+MERGE_MAX_TOKENS = 16
+# Steps of concurrent sessions arrive a little apart (one client sends them one after another,
+# the previous server pushes them one by one). When the device is free and sessions that stepped
+# in the last ACTIVE_S are not all here yet, a step waits up to this long for them, so a round
+# takes them all instead of running the first alone. A lone session never waits.
+GATHER_WINDOW_S = 0.005
+ACTIVE_S = 1.0
+
+
+@dataclass(eq=False)
+class _Step:
+    span: Span
+    session: SpanSession
+    hidden: torch.Tensor
+    owner: str  # the peer that sent it: turns are fair between peers first
+    order: int
+    start_position: int  # where the session stood, to undo a long step that fails half-way
+    adapter: str | None  # the LoRA adapter it runs with: only steps of one adapter merge
+    done: int = 0  # tokens already run (a long step goes chunk by chunk)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    error: BaseException | None = None
+    finished: bool = False
+
+    @property
+    def left(self) -> int:
+        return int(self.hidden.shape[1]) - self.done
+
+    @property
+    def remaining(self) -> torch.Tensor:
+        return self.hidden[:, self.done :]
+
+    @property
+    def rows(self) -> int:
+        return int(self.hidden.shape[0])
+
+    def finish(self, output: torch.Tensor | None, error: BaseException | None = None) -> None:
+        if output is not None:
+            self.outputs.append(output)
+            self.done += output.shape[1]
+        if error is not None:
+            self.error, self.finished = error, True
+        elif self.left == 0:
+            self.finished = True
+
+
+@dataclass
+class BatchCounters:
+    forwards: int = 0  # forwards run (a merged one counts once)
+    steps: int = 0  # steps finished
+    merged_steps: int = 0  # steps that ran in a forward with others
+
+
+class StepBatcher:
+    """Runs inference steps on `compute`, merging concurrent ones (`enabled=False`: one step per
+    forward, in the same fair order, as a baseline)."""
+
+    def __init__(
+        self, compute: ComputeQueue, *, enabled: bool = True, max_rows: int = MAX_BATCH_ROWS
+    ) -> None:
+        self.compute = compute
+        self.enabled = enabled
+        self.max_rows = max_rows
+        self.counters = BatchCounters()
+        self._waiting: list[_Step] = []
+        self._lock = threading.Lock()  # _waiting is read by rounds in the worker thread
+        self._order = itertools.count()
+        self._rounds = itertools.count(1)
+        self._last_turn: dict[str, int] = {}  # owner -> round that last served it
+        self._round_queued = False
+        self._round_over = trio.Event()
+        self._recent: dict[int, tuple[float, Span, SpanSession]] = {}  # id(session) -> last step
+
+    async def run(
+        self,
+        span: Span,
+        session: SpanSession,
+        hidden: torch.Tensor,
+        owner: str,
+        adapter: str | None = None,
+        priority: int = PRIORITY_INFERENCE,
+    ) -> torch.Tensor:
+        """span(hidden, session, adapter), run in some round on the compute queue; the same
+        result (up to float rounding) and the same errors as running it alone."""
+        step = _Step(span, session, hidden, owner, next(self._order), session.position, adapter)
+        self._recent[id(session)] = (trio.current_time(), span, session)
+        with self._lock:
+            self._waiting.append(step)
+        try:
+            while not step.finished:
+                if not self._round_queued and self.enabled:
+                    await self._gather(span)
+                if self._round_queued:  # a round is queued or running: it may take this step
+                    await self._round_over.wait()
+                    continue
+                self._round_queued = True
+                try:
+                    await self.compute.run(priority, self._round)
+                finally:
+                    self._round_queued = False
+                    over, self._round_over = self._round_over, trio.Event()
+                    over.set()
+        finally:
+            with self._lock:
+                if step in self._waiting:  # cancelled before (or between) its turns
+                    self._waiting.remove(step)
+        if step.error is not None:
+            raise step.error
+        return step.outputs[0] if len(step.outputs) == 1 else torch.cat(step.outputs, dim=1)
+
+    async def _gather(self, span: Span) -> None:
+        """Wait (at most GATHER_WINDOW_S) until the steps of every session recently active on
+        `span` are here, or a round is queued."""
+        deadline = trio.current_time() + GATHER_WINDOW_S
+        while not self._round_queued and trio.current_time() < deadline:
+            now = trio.current_time()
+            for key, (at, _, session) in list(self._recent.items()):
+                if now - at > ACTIVE_S or session.closed:
+                    del self._recent[key]
+            active = sum(1 for _, s, _ in self._recent.values() if s is span)
+            with self._lock:
+                here = sum(1 for step in self._waiting if step.span is span)
+            if here >= active:
+                return
+            await trio.sleep(GATHER_WINDOW_S / 5)
+
+    def _round(self) -> None:
+        """One turn of the device (in the worker thread): pick the steps, run them, record."""
+        with self._lock:
+            batch = self._pick()
+        if not batch:
+            return
+        head = batch[0]
+        if len(batch) == 1 and head.left > MERGE_MAX_TOKENS:
+            self._run_chunk(head)
+        else:
+            self._run_merged(batch)
+        with self._lock:
+            for step in batch:
+                if not step.finished:
+                    self._waiting.append(step)  # the rest of a long step: back in the queue
+        self.counters.steps += sum(step.finished for step in batch)
+
+    def _pick(self) -> list[_Step]:
+        """The steps of this round, taken out of the queue: the fairest first step, then (when
+        it is short) every short step of the same span that fits, in the same fair order."""
+        if not self._waiting:
+            return []
+        turn = next(self._rounds)
+        queue = sorted(self._waiting, key=lambda s: (self._last_turn.get(s.owner, 0), s.order))
+        head = queue[0]
+        batch = [head]
+        if self.enabled and head.left <= MERGE_MAX_TOKENS:
+            rows, sessions = head.rows, {id(head.session)}
+            for step in queue[1:]:
+                if (
+                    step.span is head.span
+                    and step.adapter == head.adapter
+                    and step.left <= MERGE_MAX_TOKENS
+                    and rows + step.rows <= self.max_rows
+                    and id(step.session) not in sessions
+                ):
+                    batch.append(step)
+                    rows += step.rows
+                    sessions.add(id(step.session))
+        for step in batch:
+            self._waiting.remove(step)
+            self._last_turn[step.owner] = turn
+        return batch
+
+    def _run_chunk(self, step: _Step) -> None:
+        """The next chunk of a long step; a failure undoes the chunks it already ran."""
+        piece = step.remaining[:, : step.span.chunk_tokens]
+        try:
+            output = step.span.forward(piece, step.session, step.adapter)
+        except Exception as e:
+            if not step.session.closed and step.session.position >= step.start_position:
+                step.session.rollback(step.start_position)
+            step.finish(None, e)
+            return
+        finally:
+            self.counters.forwards += 1
+        step.finish(output)
+
+    def _run_merged(self, batch: list[_Step]) -> None:
+        if len(batch) > 1:
+            try:
+                outputs = batch[0].span.forward_batch(
+                    [(s.remaining, s.session) for s in batch], batch[0].adapter
+                )
+            except Exception:
+                pass  # one step's problem (a closed session, ...): run each alone for its error
+            else:
+                self.counters.forwards += 1
+                self.counters.merged_steps += len(batch)
+                for step, output in zip(batch, outputs, strict=True):
+                    step.finish(output)
+                return
+        for step in batch:
+            try:
+                output = step.span.forward(step.remaining, step.session, step.adapter)
+            except Exception as e:
+                step.finish(None, e)
+            else:
+                step.finish(output)
+            finally:
+                self.counters.forwards += 1

@@ -1,0 +1,123 @@
+"""peerd.batching on a tiny random llama span: concurrent steps merge into one forward with the
+results each step gives alone; turns are fair between clients; one bad step fails alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+import blocks
+from peerd.batching import MERGE_MAX_TOKENS, StepBatcher
+from peerd.compute import ComputeQueue
+from tests.test_blocks import _save_tiny
+
+
+@pytest.fixture(scope="module")
+def span(tmp_path_factory: pytest.TempPathFactory) -> blocks.Span:
+    path: Path = _save_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama")
+    return blocks.load_span(path, 0, 3)
+
+
+def _prefilled(span: blocks.Span, cache: blocks.MemoryCache, lengths: list[int]) -> list:
+    sessions = []
+    for i, length in enumerate(lengths):
+        torch.manual_seed(i)
+        session = cache.open_session(1, 64)
+        span(torch.randn(1, length, 32), session)
+        sessions.append(session)
+    return sessions
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["batching", "one-by-one"])
+async def test_concurrent_decode_steps_share_a_forward_and_match_each_alone(
+    span: blocks.Span, enabled: bool
+) -> None:
+    cache = blocks.MemoryCache(budget_tokens=10_000)
+    lengths = [3, 7, 1, 12, 5, 2]
+    alone, merged = _prefilled(span, cache, lengths), _prefilled(span, cache, lengths)
+    torch.manual_seed(9)
+    steps = [torch.randn(1, 1, 32) for _ in lengths]
+    want = [span(h, s) for h, s in zip(steps, alone, strict=True)]
+    batcher = StepBatcher(ComputeQueue(), enabled=enabled)
+    got: dict[int, torch.Tensor] = {}
+
+    async def client(i: int) -> None:
+        got[i] = await batcher.run(span, merged[i], steps[i], owner=f"peer{i}")
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(lengths)):
+            nursery.start_soon(client, i)
+    for i, w in enumerate(want):
+        assert float((got[i] - w).abs().max()) <= 1e-5 * float(w.abs().max())
+    assert [s.position for s in merged] == [n + 1 for n in lengths]
+    assert batcher.counters.steps == len(lengths)
+    if enabled:
+        # The first step may start alone before the others arrive; the rest wait and merge.
+        assert batcher.counters.forwards <= 2
+        assert batcher.counters.merged_steps >= len(lengths) - 1
+    else:
+        assert batcher.counters.forwards == len(lengths)
+        assert batcher.counters.merged_steps == 0
+
+
+async def test_a_long_prefill_takes_turns_with_other_clients_decode_steps(
+    span: blocks.Span,
+) -> None:
+    """A long prompt runs a chunk per turn: another client's decode steps go between its chunks
+    instead of waiting for the whole prefill."""
+    cache = blocks.MemoryCache(budget_tokens=10_000)
+    prompt = torch.randn(1, 8 * 8, 32)
+    assert prompt.shape[1] > MERGE_MAX_TOKENS
+    heavy, light = cache.open_session(1, 80), _prefilled(span, cache, [4])[0]
+    with cache.open_session(1, 80) as reference:
+        want = span(prompt, reference)
+    batcher = StepBatcher(ComputeQueue())
+    events: list[str] = []
+    span.chunk_tokens = 8
+
+    async def heavy_client() -> None:
+        got = await batcher.run(span, heavy, prompt, owner="heavy")
+        events.append("prefill done")
+        assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+
+    async def light_client() -> None:
+        await trio.sleep(0)  # let the prefill take the first turn
+        for _ in range(3):
+            await batcher.run(span, light, torch.randn(1, 1, 32), owner="light")
+            events.append("decode")
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(heavy_client)
+            nursery.start_soon(light_client)
+    finally:
+        span.chunk_tokens = blocks.span.PREFILL_CHUNK_TOKENS
+    assert events == ["decode", "decode", "decode", "prefill done"]
+    assert heavy.position == 64 and light.position == 7
+
+
+async def test_a_bad_step_fails_alone_and_the_others_go_on(span: blocks.Span) -> None:
+    cache = blocks.MemoryCache(budget_tokens=10_000)
+    good = _prefilled(span, cache, [3, 4])
+    closed = _prefilled(span, cache, [2])[0]
+    closed.close()
+    batcher = StepBatcher(ComputeQueue())
+    results: dict[str, object] = {}
+
+    async def client(name: str, session: blocks.SpanSession) -> None:
+        try:
+            results[name] = await batcher.run(span, session, torch.randn(1, 1, 32), owner=name)
+        except blocks.BlocksError as e:
+            results[name] = e
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(client, "a", good[0])
+        nursery.start_soon(client, "bad", closed)
+        nursery.start_soon(client, "b", good[1])
+    assert isinstance(results["bad"], blocks.BlocksError)
+    assert "closed" in str(results["bad"])
+    assert isinstance(results["a"], torch.Tensor) and isinstance(results["b"], torch.Tensor)
+    assert [s.position for s in good] == [4, 5]
