@@ -228,7 +228,12 @@ def _routing(
 
 @app.command()
 def generate(
-    prompt: str = typer.Argument(..., help="Text to continue (or a question with --chat)."),
+    prompt: str | None = typer.Argument(None, help="Text to continue (or a question with --chat)."),
+    file: Path | None = typer.Option(
+        None,
+        "--file",
+        help="Generate for every line of this file (one prompt a line) as one batch.",
+    ),
     socket: Path | None = SOCKET_OPTION,
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the chat template."),
     max_new_tokens: int = MAX_NEW_TOKENS,
@@ -247,9 +252,12 @@ def generate(
     request_timeout: float | None = REQUEST_TIMEOUT,
     show_route: bool = SHOW_ROUTE,
 ) -> None:
-    """Generate text once through the local daemon, streaming it to stdout."""
+    """Generate text once through the local daemon, streaming it to stdout; with --file, every
+    prompt of the file in one batch, each answer under its prompt's number."""
     from peerd.terminal import stream_answer
 
+    if (prompt is None) == (file is None):
+        raise typer.BadParameter("give a PROMPT or --file PROMPTS.txt (not both)")
     options = _options(
         max_new_tokens,
         do_sample,
@@ -264,8 +272,22 @@ def generate(
     routing = _routing(
         allowed_server, blocked_server, max_retries, connect_timeout, request_timeout, show_route
     )
+    if file is None:
+        assert prompt is not None
+        with _client(socket, **routing) as client:
+            stream_answer(client, prompt, sys.stdout, chat=chat, session=None, **options.options())
+        return
+    try:
+        prompts = [line for line in file.read_text().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise typer.BadParameter(f"cannot read {file}: {e}", param_hint="--file") from None
+    if not prompts:
+        raise typer.BadParameter(f"{file} holds no prompt (one a line)", param_hint="--file")
     with _client(socket, **routing) as client:
-        stream_answer(client, prompt, sys.stdout, chat=chat, session=None, **options.options())
+        results = client.generate_batch(prompts, chat=chat, **options.options())
+    for number, (text, result) in enumerate(zip(prompts, results, strict=True), 1):
+        typer.echo(f"=== [{number}] {text}")
+        typer.echo(f"{result.text}\n--- ({len(result.token_ids)} tokens, {result.reason})")
 
 
 @app.command()

@@ -1,7 +1,7 @@
 """The model: families, selective weight loading, span execution with KV cache, client-side pieces
 (embeddings, final norm, LM head) and the default model."""
 
-from blocks.cache import MemoryCache, SpanSession
+from blocks.cache import MemoryCache, SpanSession, check_left_padding
 from blocks.checkpoint import load_config, model_name, resolve_checkpoint
 from blocks.client_side import ClientSide, load_client_side
 from blocks.errors import (
@@ -32,6 +32,7 @@ __all__ = [
     "Throughput",
     "UnsupportedModelError",
     "adapter_name",
+    "check_left_padding",
     "family_of",
     "load_client_side",
     "load_config",

@@ -110,7 +110,12 @@ class Admission:
         self._freed = trio.Event()
 
     async def open_session(
-        self, cache: MemoryCache, batch_size: int, max_length: int, wait_s: float
+        self,
+        cache: MemoryCache,
+        batch_size: int,
+        max_length: int,
+        wait_s: float,
+        left_padding: tuple[int, ...] | None = None,
     ) -> SpanSession:
         """A session of batch_size x max_length tokens from `cache`, after waiting in turn up to
         `wait_s` (capped at max_wait_s) for sessions to close; Refused if it does not fit."""
@@ -124,7 +129,7 @@ class Admission:
             )
         if not self._queue:
             try:
-                return cache.open_session(batch_size, max_length)
+                return cache.open_session(batch_size, max_length, left_padding)
             except CacheFull:
                 pass
         if len(self._queue) >= self.max_queued:
@@ -141,7 +146,7 @@ class Admission:
                     freed = self._freed
                     if self._queue[0] is waiter:
                         try:
-                            return cache.open_session(batch_size, max_length)
+                            return cache.open_session(batch_size, max_length, left_padding)
                         except CacheFull:
                             pass
                     await freed.wait()

@@ -27,7 +27,7 @@ import trio
 
 import wire
 from peerd import __version__
-from peerd.generation import Generator, SamplingParams
+from peerd.generation import Generator, SamplingParams, encode_prompt, left_pad
 from peerd.inference import AdapterUnavailable, InferenceFailed, InferenceSession
 from peerd.server import record_to_info
 from peerd.training import Trainer
@@ -250,13 +250,17 @@ class _Connection:
 
     async def _open_inference(self, request: wire.OpenInference) -> None:
         generator: Generator = await self.api._get_generator()
-        inference = InferenceSession(
-            generator.swarm,
-            max_length=request.max_length,
-            batch_size=request.batch_size,
-            adapter=request.active_adapter,
-            routing=request.routing,
-        )
+        try:
+            inference = InferenceSession(
+                generator.swarm,
+                max_length=request.max_length,
+                batch_size=request.batch_size,
+                adapter=request.active_adapter,
+                routing=request.routing,
+                left_padding=request.left_padding,
+            )
+        except ValueError as e:
+            raise ApiError("bad_request", str(e)) from e
         await inference.__aenter__()
         session_id = uuid.uuid4().hex
         self.sessions[session_id] = ApiSession(inference)
@@ -337,6 +341,9 @@ class _Connection:
             )
         except ValueError as e:
             raise ApiError("bad_request", str(e)) from e
+        if request.prompts is not None:
+            await self._generate_batch(request, generator, params)
+            return
         session = self._session(request.session_id) if request.session_id else None
         if session is not None and request.active_adapter not in (None, session.inference.adapter):
             raise ApiError(
@@ -416,6 +423,72 @@ class _Connection:
                 session.messages.append({"role": "assistant", "content": emitted})
         await self.send(wire.GenerateDone(reason=reason, token_count=len(tokens), route=route))
 
+    async def _generate_batch(
+        self, request: wire.Generate, generator: Generator, params: SamplingParams
+    ) -> None:
+        """Every prompt of request.prompts in one inference session, left-padded; each row's
+        tokens stream with its row index and it ends on its own (EOS, a stop sequence)."""
+        assert request.prompts is not None
+        tokenizer = generator.client.tokenizer
+        eos = _eos_ids(tokenizer)
+        encoded = [
+            encode_prompt(tokenizer, text, chat=request.chat)[0].tolist()
+            for text in request.prompts
+        ]
+        if not all(encoded):
+            raise ApiError("bad_request", "a prompt of the batch encodes to no tokens")
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or [0])[0]
+        prompt, padding = left_pad(encoded, int(pad_id))
+        rows = [_RowText(tokenizer, request.stop, eos) for _ in encoded]
+        route: tuple[str, ...] = ()
+        with trio.CancelScope() as scope:
+            self._generation = scope
+            if self._cancel_queued:  # the client cancelled before we started
+                scope.cancel()
+            try:
+                inference = InferenceSession(
+                    generator.swarm,
+                    max_length=prompt.shape[1] + request.max_new_tokens,
+                    batch_size=len(encoded),
+                    adapter=request.active_adapter,
+                    routing=request.routing,
+                    left_padding=padding,
+                )
+            except ValueError as e:
+                raise ApiError("bad_request", str(e)) from e
+            async with inference:
+                stream = generator.generate(
+                    prompt, request.max_new_tokens, params, session=inference, eos_token_ids=eos
+                )
+                try:
+                    async for tokens in stream:
+                        for index, row in enumerate(rows):
+                            if row.reason is not None:
+                                continue  # ended: its later samples are nobody's
+                            token_id = int(tokens[index, 0])
+                            text = row.add(token_id)
+                            await self.send(
+                                wire.GeneratedToken(text=text, token_id=token_id, row=index)
+                            )
+                            if row.reason is not None:
+                                done = wire.GenerateDone(
+                                    reason=row.reason, token_count=len(row.tokens), row=index
+                                )
+                                await self.send(done)
+                        if all(row.reason is not None for row in rows):
+                            break
+                finally:
+                    route = _hops(inference)
+        self._generation = None
+        last: Literal["cancelled", "length"] = "cancelled" if scope.cancelled_caught else "length"
+        for index, row in enumerate(rows):
+            if row.reason is None:
+                await self.send(
+                    wire.GenerateDone(
+                        reason=last, token_count=len(row.tokens), row=index, route=route
+                    )
+                )
+
     def _prompt_ids(
         self, tokenizer: Any, request: wire.Generate, session: ApiSession | None
     ) -> list[int]:
@@ -460,6 +533,36 @@ class _Connection:
 def _hops(inference: InferenceSession) -> tuple[str, ...]:
     """A session's route as the local API reports it: "peer_id[start:end)" per hop."""
     return route_hops(inference.route)
+
+
+class _RowText:
+    """The text of one generated sequence as its tokens arrive, and why it ended (None: it goes
+    on): an end-of-sequence token, or a stop sequence (the text is cut before it)."""
+
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...], eos: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.eos = eos
+        self.tokens: list[int] = []
+        self.emitted = ""  # the text sent so far
+        self.reason: Literal["stop", "eos"] | None = None
+
+    def add(self, token_id: int) -> str:
+        """The text this token adds ("" at EOS and mid-character)."""
+        self.tokens.append(token_id)
+        if token_id in self.eos:
+            self.reason = "eos"
+            return ""
+        text = str(self.tokenizer.decode(self.tokens, skip_special_tokens=True))
+        if text.endswith("\ufffd"):  # half a UTF-8 character: wait for the rest
+            return ""
+        cut = _find_stop(text, self.stops, len(self.emitted))
+        if cut is not None:
+            self.reason = "stop"
+            text = text[:cut]
+        piece = text[len(self.emitted) :]
+        self.emitted = text
+        return piece
 
 
 def _eos_ids(tokenizer: Any) -> list[int]:

@@ -143,7 +143,7 @@ def socket_path(path: str | Path | None) -> Path:
 
 
 def _generate_request(
-    prompt: str | None,
+    prompt: str | list[str] | None,
     input_ids: list[int] | None,
     chat: bool,
     session_id: str | None,
@@ -152,7 +152,8 @@ def _generate_request(
 ) -> wire.Generate:
     try:
         return wire.Generate(
-            prompt=prompt,
+            prompt=prompt if isinstance(prompt, str) else None,
+            prompts=tuple(prompt) if isinstance(prompt, list | tuple) else None,
             input_ids=tuple(input_ids) if input_ids is not None else None,
             max_new_tokens=options.max_new_tokens,
             do_sample=options.do_sample,
@@ -176,6 +177,7 @@ def _open_request(
     batch_size: int,
     active_adapter: str | None,
     routing: wire.RouteOptions | None = None,
+    left_padding: tuple[int, ...] = (),
 ) -> wire.OpenInference:
     try:
         return wire.OpenInference(
@@ -183,9 +185,35 @@ def _open_request(
             batch_size=batch_size,
             active_adapter=active_adapter,
             routing=routing,
+            left_padding=tuple(left_padding),
         )
     except (ValueError, TypeError) as e:
         raise PeerdError("bad_request", str(e)) from e
+
+
+def _rows(prompt: str | list[str] | None) -> int:
+    """How many GenerateDone messages end a request for `prompt` (one per row of a batch)."""
+    return len(prompt) if isinstance(prompt, list | tuple) else 1
+
+
+def _add(results: list[Generation], message: wire.GeneratedToken | wire.GenerateDone) -> None:
+    """Add a token or an ending to the Generation of its row."""
+    result = results[message.row]
+    if isinstance(message, wire.GeneratedToken):
+        result.text += message.text
+        result.token_ids.append(message.token_id)
+    else:
+        result.reason = message.reason
+
+
+def _collect(
+    messages: Iterator[wire.GeneratedToken | wire.GenerateDone], rows: int
+) -> list[Generation]:
+    """Each row's text, token ids and reason from a stream of GeneratedToken / GenerateDone."""
+    results = [Generation("", [], "") for _ in range(rows)]
+    for message in messages:
+        _add(results, message)
+    return results
 
 
 HELLO = wire.Hello(client=f"peerd.client {__version__}")
@@ -285,47 +313,58 @@ class Client(_RouteControls):
 
     def stream_tokens(
         self,
-        prompt: str | None = None,
+        prompt: str | list[str] | None = None,
         *,
         input_ids: list[int] | None = None,
         chat: bool = False,
         session: str | None = None,
         **options: Any,
     ) -> Generator[wire.GeneratedToken | wire.GenerateDone, None, None]:
-        """Every GeneratedToken as it is sampled, then the GenerateDone. Closing the generator
-        early cancels the generation on the daemon."""
+        """Every GeneratedToken as it is sampled, then the GenerateDone. With a list of prompts
+        (a batch, one inference session), each message carries its `row` and every row ends
+        with its own GenerateDone. Closing the generator early cancels the generation."""
         self._send(
             _generate_request(
                 prompt, input_ids, chat, session, GenerateOptions(**options), self.routing
             )
         )
-        finished = False
+        rows_left = _rows(prompt)
         try:
-            while not finished:
+            while rows_left:
                 try:
                     message = _token_or_done(self._receive())
                 except PeerdError:
-                    finished = True  # the daemon ended this request with an error
+                    rows_left = 0  # the daemon ended this request with an error
                     raise
                 if isinstance(message, wire.GenerateDone):
-                    finished = True
+                    rows_left -= 1
                     self._route_used(message.route)
                 yield message
         finally:
-            if not finished:
-                self.cancel()
+            if rows_left:
+                self.cancel(rows_left)
 
-    def cancel(self) -> None:
-        """Stop the generation in flight and wait for its GenerateDone."""
+    def cancel(self, rows: int = 1) -> None:
+        """Stop the generation in flight and wait for its GenerateDone (one per row left)."""
         self._send(wire.Cancel())
-        while not isinstance(self._receive(), wire.GenerateDone):
-            pass
+        while rows:
+            rows -= isinstance(self._receive(), wire.GenerateDone)
 
-    def generate(self, prompt: str | None = None, *, stream: bool = False, **kwargs: Any) -> Any:
+    def generate(
+        self, prompt: str | list[str] | None = None, *, stream: bool = False, **kwargs: Any
+    ) -> Any:
         """The generated text, or with stream=True an iterator of text pieces as they arrive
-        (never half a UTF-8 character). kwargs: input_ids, chat, session and GenerateOptions."""
+        (never half a UTF-8 character). kwargs: input_ids, chat, session and GenerateOptions.
+        A list of prompts is generated as one batch and gives a list of texts (no stream)."""
+        if isinstance(prompt, list):
+            return [g.text for g in self.generate_batch(prompt, **kwargs)]
         pieces = self._pieces(prompt, **kwargs)
         return pieces if stream else "".join(pieces)
+
+    def generate_batch(self, prompts: list[str], **kwargs: Any) -> list[Generation]:
+        """Each prompt's generation, all in one inference session (left-padded rows, each
+        stopping at its own end of sequence or stop sequence). kwargs: chat and GenerateOptions."""
+        return _collect(self.stream_tokens(list(prompts), **kwargs), len(prompts))
 
     def _pieces(self, prompt: str | None, **kwargs: Any) -> Iterator[str]:
         for message in self.stream_tokens(prompt, **kwargs):
@@ -333,26 +372,21 @@ class Client(_RouteControls):
                 yield message.text
 
     def generate_full(self, prompt: str | None = None, **kwargs: Any) -> Generation:
-        text: list[str] = []
-        ids: list[int] = []
-        reason = ""
-        for message in self.stream_tokens(prompt, **kwargs):
-            if isinstance(message, wire.GeneratedToken):
-                text.append(message.text)
-                ids.append(message.token_id)
-            else:
-                reason = message.reason
-        return Generation("".join(text), ids, reason)
+        return _collect(self.stream_tokens(prompt, **kwargs), 1)[0]
 
     # --- inference sessions -----------------------------------------------------------------
 
     def open_session(
-        self, max_length: int, batch_size: int = 1, active_adapter: str | None = None
+        self,
+        max_length: int,
+        batch_size: int = 1,
+        active_adapter: str | None = None,
+        left_padding: tuple[int, ...] = (),
     ) -> str:
-        """A session through the swarm (with LoRA `active_adapter` on every hop when given);
-        `last_route` lists its hops."""
+        """A session through the swarm (with LoRA `active_adapter` on every hop when given;
+        `left_padding`: per row, padding positions at its start); `last_route` lists its hops."""
         opened = self._request(
-            _open_request(max_length, batch_size, active_adapter, self.routing),
+            _open_request(max_length, batch_size, active_adapter, self.routing, left_padding),
             wire.InferenceOpened,
         )
         self._route_used(opened.route)
@@ -452,7 +486,7 @@ class AsyncClient(_RouteControls):
 
     async def stream_tokens(
         self,
-        prompt: str | None = None,
+        prompt: str | list[str] | None = None,
         *,
         input_ids: list[int] | None = None,
         chat: bool = False,
@@ -464,27 +498,34 @@ class AsyncClient(_RouteControls):
                 prompt, input_ids, chat, session, GenerateOptions(**options), self.routing
             )
         )
-        finished = False
+        rows_left = _rows(prompt)
         try:
-            while not finished:
+            while rows_left:
                 try:
                     message = _token_or_done(await self._receive())
                 except PeerdError:
-                    finished = True  # the daemon ended this request with an error
+                    rows_left = 0  # the daemon ended this request with an error
                     raise
                 if isinstance(message, wire.GenerateDone):
-                    finished = True
+                    rows_left -= 1
                     self._route_used(message.route)
                 yield message
         finally:
-            if not finished and self._stream is not None:
+            if rows_left and self._stream is not None:
                 with anyio.CancelScope(shield=True):
-                    await self.cancel()
+                    await self.cancel(rows_left)
 
-    async def cancel(self) -> None:
+    async def cancel(self, rows: int = 1) -> None:
         await self._send(wire.Cancel())
-        while not isinstance(await self._receive(), wire.GenerateDone):
-            pass
+        while rows:
+            rows -= isinstance(await self._receive(), wire.GenerateDone)
+
+    async def generate_batch(self, prompts: list[str], **kwargs: Any) -> list[Generation]:
+        """Each prompt's generation, all in one inference session (see Client.generate_batch)."""
+        results = [Generation("", [], "") for _ in prompts]
+        async for message in self.stream_tokens(list(prompts), **kwargs):
+            _add(results, message)
+        return results
 
     async def request_cancel(self) -> None:
         """Ask the daemon to stop the generation in flight, from another task than the one
@@ -503,10 +544,14 @@ class AsyncClient(_RouteControls):
                 yield message.text
 
     async def open_session(
-        self, max_length: int, batch_size: int = 1, active_adapter: str | None = None
+        self,
+        max_length: int,
+        batch_size: int = 1,
+        active_adapter: str | None = None,
+        left_padding: tuple[int, ...] = (),
     ) -> str:
         opened = await self._request(
-            _open_request(max_length, batch_size, active_adapter, self.routing),
+            _open_request(max_length, batch_size, active_adapter, self.routing, left_padding),
             wire.InferenceOpened,
         )
         self._route_used(opened.route)

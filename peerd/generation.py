@@ -83,6 +83,15 @@ def sample(
     return torch.multinomial(probs, 1, generator=generator)
 
 
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Token ids of prompts of different lengths as one [batch, longest] tensor, padded on the
+    left with `pad_id`, and how many padding positions each row got."""
+    width = max(len(row) for row in rows)
+    padding = tuple(width - len(row) for row in rows)
+    ids = [[pad_id] * pad + list(row) for pad, row in zip(padding, rows, strict=True)]
+    return torch.tensor(ids, dtype=torch.long), padding
+
+
 def encode_prompt(tokenizer: Any, text: str, *, chat: bool) -> torch.Tensor:
     """[1, tokens] input ids of `text`, wrapped in the model's chat template when `chat`."""
     if chat:
@@ -137,12 +146,15 @@ class Generator:
         session: InferenceSession | None = None,
         eos_token_ids: Sequence[int] = (),
         adapter: str | None = None,
+        left_padding: tuple[int, ...] = (),
     ) -> AsyncIterator[torch.Tensor]:
-        """Yield [batch, 1] token ids one step at a time (stops early when every row hit EOS).
+        """Yield [batch, 1] token ids one step at a time (stops early when every row hit EOS;
+        a row that did keeps being fed its samples, which no other row sees).
 
         With `session`, the prompt continues that session's sequence (a new chat turn);
         otherwise a session sized for prompt + max_new_tokens is opened and closed here, with
-        LoRA `adapter` on every hop when given.
+        LoRA `adapter` on every hop when given, and `left_padding` (per row: padding positions at
+        the start of `input_ids`).
         """
         params = params or SamplingParams()
         generator = torch.Generator()
@@ -154,6 +166,7 @@ class Generator:
                 max_length=input_ids.shape[1] + max_new_tokens,
                 batch_size=input_ids.shape[0],
                 adapter=adapter,
+                left_padding=left_padding,
             ) as own:
                 async for token in self._decode(
                     own, input_ids, max_new_tokens, params, generator, eos_token_ids
@@ -181,9 +194,7 @@ class Generator:
         for _ in range(max_new_tokens):
             hidden = await trio.to_thread.run_sync(self._embed, step_input)
             hidden = await session.step(hidden)
-            token = await self._next_tokens(
-                _NextToken(hidden[:, -1], token_ids, params, generator)
-            )
+            token = await self._next_tokens(_NextToken(hidden[:, -1], token_ids, params, generator))
             yield token
             token_ids = torch.cat([token_ids, token], dim=1)
             step_input = token

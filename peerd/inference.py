@@ -21,7 +21,7 @@ import trio
 from libp2p.peer.id import ID
 
 import wire
-from blocks import BlocksError
+from blocks import BlocksError, check_left_padding
 from peerd.p2p import INFERENCE_PROTOCOL
 from peerd.server import LocalSession
 from peerd.streams import MessageStream, PeerGone
@@ -169,9 +169,14 @@ class InferenceSession:
         adapter: str | None = None,
         routing: wire.RouteOptions | None = None,
         verify_fraction: float | None = None,
+        left_padding: tuple[int, ...] = (),
     ) -> None:
         """`routing`: which servers the session may use, how many failed ones it may replace,
-        and how long dialing a hop and each step may take (None: the defaults above)."""
+        and how long dialing a hop and each step may take (None: the defaults above).
+        `left_padding`: per row, padding positions at its start (a batch of prompts)."""
+        if left_padding:  # ValueError: one count per row, each leaving room for a token
+            check_left_padding(left_padding, batch_size, max_length)
+        self.left_padding = tuple(left_padding)
         self.swarm = swarm
         self.adapter = adapter  # a LoRA adapter every hop applies (only servers listing it)
         routing = routing or wire.RouteOptions()
@@ -517,6 +522,7 @@ class InferenceSession:
             reply_compression=self.codec,
             active_adapter=self.adapter,
             wait_timeout=ADMISSION_WAIT_S,
+            left_padding=self.left_padding,
         )
         local = self.swarm.local_server
         if local is not None and hop.peer_id == local.peer_id:

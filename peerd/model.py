@@ -116,19 +116,24 @@ class RemoteSession(Cache):
         max_length: int,
         batch_size: int = 1,
         adapter: str | None = None,
+        left_padding: tuple[int, ...] = (),
     ) -> None:
         super().__init__(layers=[])
         self.daemon = daemon
         self.adapter = adapter  # the LoRA adapter every server of the session applies
         self.max_length = max_length
         self._batch_size = batch_size
+        # Per row, padding positions at the start (prompts left-padded to one length).
+        self.left_padding = tuple(left_padding)
         self.session_id: str | None = None
         self.position = 0
         self.output_ids: torch.Tensor | None = None
 
     def __enter__(self) -> RemoteSession:
         with self.daemon.request() as client:
-            self.session_id = client.open_session(self.max_length, self._batch_size, self.adapter)
+            self.session_id = client.open_session(
+                self.max_length, self._batch_size, self.adapter, self.left_padding
+            )
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -430,14 +435,21 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     # --- sessions ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def inference_session(self, max_length: int, batch_size: int = 1) -> Iterator[RemoteSession]:
+    def inference_session(
+        self, max_length: int, batch_size: int = 1, left_padding: tuple[int, ...] = ()
+    ) -> Iterator[RemoteSession]:
         """A session on the swarm that every `generate` call inside the `with` block continues:
         the servers keep their caches between calls, so each call feeds only what is new. Pass
-        each call only the tokens to add (or none); it returns the whole sequence so far."""
+        each call only the tokens to add (or none); it returns the whole sequence so far.
+        `left_padding`: per row, the padding positions its first tokens will be."""
         if self.active_session is not None:
             raise RuntimeError("an inference session is already active on this model")
         with RemoteSession(
-            self.daemon, max_length=max_length, batch_size=batch_size, adapter=self.active_adapter
+            self.daemon,
+            max_length=max_length,
+            batch_size=batch_size,
+            adapter=self.active_adapter,
+            left_padding=left_padding,
         ) as session:
             self.active_session = session
             try:
@@ -469,11 +481,6 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("attention weights stay on the servers: no output_attentions")
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("give exactly one of input_ids and inputs_embeds")
-        if attention_mask is not None and not bool((attention_mask == 1).all()):
-            raise ValueError(
-                "padding is not supported: the servers attend to every token they hold; "
-                "generate prompts of one length together, or one prompt at a time"
-            )
         if cache is None:
             cache = kwargs.pop("past_key_values", None)  # its name before transformers 5
         if cache is not None and not isinstance(cache, RemoteSession):
@@ -507,11 +514,23 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 return_dict,
             )
         past = cache.position if cache is not None else 0
-        if position_ids is not None and int(position_ids[..., 0].min()) != past:
+        padding = left_padding_of(attention_mask) if attention_mask is not None else ()
+        if cache is not None and any(padding) and padding != cache.left_padding:
             raise ValueError(
-                f"these tokens start at position {int(position_ids[..., 0].min())}, but the "
-                f"servers hold {past}: give only the tokens the session has not seen"
+                f"attention_mask pads the rows by {list(padding)}, the session was opened with "
+                f"left_padding {list(cache.left_padding)}: open it with the mask's padding "
+                "(generate does, from attention_mask)"
             )
+        if position_ids is not None:
+            # The last token of each row, counted without the row's padding.
+            held = cache.left_padding if cache is not None else padding
+            pads = torch.tensor(held) if held else torch.tensor(0)
+            expected = past + hidden_in.shape[1] - 1 - pads
+            if bool((position_ids[..., -1].cpu() != expected).any()):
+                raise ValueError(
+                    f"these tokens end at positions {position_ids[..., -1].tolist()}, but the "
+                    f"servers hold {past}: give only the tokens the session has not seen"
+                )
         to_send = hidden_in.to("cpu", torch.float32)
         if cache is not None:
             hidden_out = cache.step(to_send, input_ids)
@@ -521,6 +540,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 max_length=to_send.shape[1],
                 batch_size=to_send.shape[0],
                 adapter=self.active_adapter,
+                left_padding=padding if any(padding) else (),
             ) as own:
                 hidden_out = own.step(to_send, input_ids)
         return self._outputs(
@@ -632,8 +652,16 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         prompt = _prompt_length(inputs, kwargs)
         rows = _batch_size(inputs, kwargs) * (config.num_return_sequences or 1)
         length = prompt + self._new_tokens(config, generation_config, kwargs, prompt)
+        mask = kwargs.get("attention_mask")
+        padding = left_padding_of(mask) if mask is not None else ()
+        if any(padding) and rows != len(padding):
+            raise ValueError("num_return_sequences > 1 works only with unpadded prompts")
         with RemoteSession(
-            self.daemon, max_length=max(length, 1), batch_size=rows, adapter=self.active_adapter
+            self.daemon,
+            max_length=max(length, 1),
+            batch_size=rows,
+            adapter=self.active_adapter,
+            left_padding=padding if any(padding) else (),
         ) as own:
             return self._generate_in(own, inputs, generation_config, config, kwargs)
 
@@ -698,6 +726,24 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if kwargs.get("max_length") is not None or max_length_set:
             return max(int(config.max_length) - prompt, 0)
         return int(config.max_length)  # transformers' default: that many new tokens
+
+
+def left_padding_of(attention_mask: torch.Tensor) -> tuple[int, ...]:
+    """Per row, the padding positions at the start of a [batch, tokens] attention mask (zeros,
+    then ones, as a tokenizer with padding_side="left" makes); ValueError for any other mask."""
+    mask = attention_mask.to("cpu", torch.long)
+    if mask.ndim != 2:
+        raise ValueError(f"attention_mask must be [batch, tokens], got {list(mask.shape)}")
+    padding = (mask == 0).sum(dim=1)
+    columns = torch.arange(mask.shape[1])[None]
+    if not bool((mask == (columns >= padding[:, None]).long()).all()):
+        raise ValueError(
+            "attention_mask must hold zeros then ones per row (left padding): the servers skip "
+            "a row's first positions only; pad on the left (tokenizer.padding_side = 'left')"
+        )
+    if bool((padding == mask.shape[1]).any()):
+        raise ValueError("a row of attention_mask is all padding: give each row a token")
+    return tuple(int(p) for p in padding)
 
 
 def _prompt_length(inputs: torch.Tensor | None, kwargs: dict[str, Any]) -> int:

@@ -249,7 +249,11 @@ class BlockServer:
     async def _open_and_serve(self, request: wire.OpenSession, messages: MessageStream) -> None:
         assert self.cache is not None  # _check_open refuses sessions until we are online
         session = await self.admission.open_session(
-            self.cache, request.batch_size, request.max_length, request.wait_timeout
+            self.cache,
+            request.batch_size,
+            request.max_length,
+            request.wait_timeout,
+            request.left_padding or None,
         )
         self.counters.sessions_opened += 1
         live = _LiveSession(request, session, messages, trio.CancelScope())
@@ -506,7 +510,9 @@ class BlockServer:
         without a stream (a host cannot dial itself)."""
         self._check_open(request)
         assert self.cache is not None
-        session = self.cache.open_session(request.batch_size, request.max_length)
+        session = self.cache.open_session(
+            request.batch_size, request.max_length, request.left_padding or None
+        )
         self.counters.sessions_opened += 1
         return LocalSession(self, request, session)
 

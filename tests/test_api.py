@@ -48,6 +48,38 @@ def test_peerd_generate_command_equals_transformers(
     assert run.stdout.rstrip("\n") == tokenizer.decode(expected, skip_special_tokens=True)
 
 
+BATCH = [
+    "Once upon a time, there was a little",
+    "The capital of France is",
+    "Here is a list of three fruits:\n1.",
+    "Q: What is two plus two?\nA:",
+]
+
+
+def test_a_batch_of_prompts_gives_what_each_prompt_gives_alone(
+    swarm: LocalSwarm, tmp_path: Any
+) -> None:
+    """Four prompts of different lengths in one session (left-padded): row by row the tokens,
+    text and ending of four single calls, each row stopping at its own stop sequence."""
+    options = {"max_new_tokens": 20, "stop": ("\n",)}
+    with Client(swarm.daemons[0].socket) as client:
+        together = client.generate_batch(BATCH, **options)
+        alone = [client.generate_full(prompt, **options) for prompt in BATCH]
+        texts = client.generate(BATCH, **options)
+    assert together == alone
+    assert texts == [g.text for g in alone]
+    assert {g.reason for g in together} == {"stop", "length"}, "rows should end differently"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(BATCH[:2]) + "\n\n")
+    run = subprocess.run(
+        [sys.executable, "-m", "cli", "generate", "--file", str(prompts), "--max-new-tokens",
+         "20", "--stop", "\n", "--socket", str(swarm.daemons[1].socket)],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    for number, (prompt, result) in enumerate(zip(BATCH[:2], alone, strict=False), 1):
+        assert f"=== [{number}] {prompt}\n{result.text}\n--- (" in run.stdout
+
+
 def test_sampling_with_a_seed_is_reproducible(swarm: LocalSwarm) -> None:
     with Client(swarm.daemons[0].socket) as client:
         options = {"do_sample": True, "temperature": 1.3, "top_k": 50, "top_p": 0.95}

@@ -203,3 +203,36 @@ def test_routing_controls_reach_every_session(
         routed.close()
     route = f"route: {a.peer_id}[0:10) -> {b.peer_id}[10:20) -> {c.peer_id}[20:30)"
     assert route in capsys.readouterr().err
+
+
+def test_a_left_padded_batch_generates_row_by_row_as_single_calls_and_transformers(
+    model: DistributedModelForCausalLM, local: Any
+) -> None:
+    """Four prompts of different lengths, left-padded by the tokenizer: model.generate with the
+    attention mask gives, row by row, transformers' batched generate and four single calls."""
+    prompts = [
+        "Once upon a time, there was a little",
+        "The capital of France is",
+        "Here is a list of three fruits: apples,",
+        "Water boils at",
+    ]
+    tokenizer = model.tokenizer
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    assert len(set(batch["attention_mask"].sum(1).tolist())) > 1, "lengths should differ"
+    options = {"max_new_tokens": 12, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    ours = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **options)
+    theirs = local.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **options)
+    assert ours.tolist() == theirs.tolist()
+    width = batch["input_ids"].shape[1]
+    for row, prompt in enumerate(prompts):
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        alone = model.generate(ids, **options)[0, ids.shape[1] :].tolist()
+        assert ours[row, width : width + len(alone)].tolist() == alone, prompt
+
+
+def test_right_padding_is_refused_with_what_to_do(model: DistributedModelForCausalLM) -> None:
+    ids = torch.tensor([[5, 6, 7], [8, 9, 0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    with pytest.raises(ValueError, match="padding_side = 'left'"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2)

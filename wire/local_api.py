@@ -108,7 +108,8 @@ class RouteOptions(Record):
 
 @message("generate")
 class Generate(Message):
-    """Generate up to max_new_tokens after `prompt` (text) or `input_ids` (exactly one of them)."""
+    """Generate up to max_new_tokens after `prompt` (text), `input_ids`, or each of `prompts`
+    (exactly one of them)."""
 
     prompt: str | None = spec(default=None, max_len=MAX_PROMPT_CHARS)
     input_ids: tuple[int, ...] | None = spec(
@@ -135,10 +136,20 @@ class Generate(Message):
     session_id, the session's own adapter applies and this must be unset or name the same."""
     routing: RouteOptions | None = None
     """Limits on the route (ignored with session_id: the session's route stands)."""
+    prompts: tuple[str, ...] | None = spec(
+        default=None, min_items=1, max_items=MAX_BATCH_SIZE, max_len=MAX_PROMPT_CHARS
+    )
+    """A batch: several prompts generated together in one inference session (left-padded), each
+    row stopping on its own; tokens and endings carry their row (its index here)."""
 
     def check(self) -> None:
-        if (self.prompt is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of prompt (text) and input_ids (token ids)")
+        given = sum(x is not None for x in (self.prompt, self.input_ids, self.prompts))
+        if given != 1:
+            raise ValueError(
+                "give exactly one of prompt (text), input_ids (token ids) and prompts (a batch)"
+            )
+        if self.prompts is not None and self.session_id is not None:
+            raise ValueError("a batch of prompts runs in a session of its own: no session_id")
 
 
 @message("hello")
@@ -169,6 +180,9 @@ class OpenInference(Message):
     active_adapter: str | None = spec(default=None, min_len=1, max_len=MAX_ADAPTER_NAME_LEN)
     """Run the session's blocks with this LoRA adapter, only on servers that list it."""
     routing: RouteOptions | None = None
+    left_padding: tuple[int, ...] = spec(default=(), max_items=MAX_BATCH_SIZE, ge=0)
+    """Per row, how many of its first positions are padding (prompts of different lengths,
+    left-padded); () for none. The servers never attend to them."""
 
 
 @message("inference_opened")
@@ -249,6 +263,8 @@ class GeneratedToken(Message):
 
     text: str = spec(max_len=4096)
     token_id: int = spec(ge=0, le=MAX_TOKEN_ID)
+    row: int = spec(default=0, ge=0, lt=MAX_BATCH_SIZE)
+    """The prompt of a batch (index in Generate.prompts) this token continues."""
 
 
 @message("generate_done")
@@ -259,6 +275,8 @@ class GenerateDone(Message):
     token_count: int = spec(ge=0, le=MAX_NEW_TOKENS)
     route: tuple[str, ...] = spec(default=(), max_items=MAX_HOPS, max_len=512)
     """The hops the generation ended on, as "peer_id[start:end)" (after any failover)."""
+    row: int = spec(default=0, ge=0, lt=MAX_BATCH_SIZE)
+    """The row of a batch that ended; a batch ends when every row has had its GenerateDone."""
 
 
 @message("cancel")

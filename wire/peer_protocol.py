@@ -146,6 +146,19 @@ class OpenSession(_Span, Message):
     wait_timeout: float = spec(default=0.0, ge=0.0, le=MAX_WAIT_TIMEOUT_S)
     """Seconds the client will wait in the server's queue when the cache is full (0: refuse at
     once); past it the server answers Error `cache_full_timeout`."""
+    left_padding: tuple[int, ...] = spec(default=(), max_items=MAX_BATCH_SIZE, ge=0)
+    """Per row, how many of its first positions are padding, not tokens (a batch of prompts of
+    different lengths, left-padded); () for none. The blocks never attend to them and count
+    positions after them."""
+
+    def check(self) -> None:
+        super().check()
+        if self.left_padding and len(self.left_padding) != self.batch_size:
+            raise ValueError(
+                f"left_padding has {len(self.left_padding)} rows, batch_size is {self.batch_size}"
+            )
+        if any(pad >= self.max_length for pad in self.left_padding):
+            raise ValueError("left_padding must leave each row a position for a token")
 
 
 @message("session_opened")
