@@ -48,6 +48,7 @@ class _Step:
     outputs: list[torch.Tensor] = field(default_factory=list)
     error: BaseException | None = None
     finished: bool = False
+    abandoned: bool = False  # its caller went away (cancelled)
 
     @property
     def left(self) -> int:
@@ -60,6 +61,11 @@ class _Step:
     @property
     def rows(self) -> int:
         return int(self.hidden.shape[0])
+
+    def undo(self) -> None:
+        """Forget the chunks of a long step that will not finish (failed or abandoned)."""
+        if self.done and not self.session.closed:
+            self.session.rollback(self.start_position)
 
     def finish(self, output: torch.Tensor | None, error: BaseException | None = None) -> None:
         if output is not None:
@@ -129,8 +135,10 @@ class StepBatcher:
                     over.set()
         finally:
             with self._lock:
+                step.abandoned = not step.finished
                 if step in self._waiting:  # cancelled before (or between) its turns
                     self._waiting.remove(step)
+                    step.undo()
         if step.error is not None:
             raise step.error
         return step.outputs[0] if len(step.outputs) == 1 else torch.cat(step.outputs, dim=1)
@@ -164,7 +172,9 @@ class StepBatcher:
             self._run_merged(batch)
         with self._lock:
             for step in batch:
-                if not step.finished:
+                if step.abandoned:
+                    step.undo()
+                elif not step.finished:
                     self._waiting.append(step)  # the rest of a long step: back in the queue
         self.counters.steps += sum(step.finished for step in batch)
 
@@ -201,8 +211,7 @@ class StepBatcher:
         try:
             output = step.span.forward(piece, step.session, step.adapter)
         except Exception as e:
-            if not step.session.closed and step.session.position >= step.start_position:
-                step.session.rollback(step.start_position)
+            step.undo()
             step.finish(None, e)
             return
         finally:
