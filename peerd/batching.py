@@ -24,8 +24,9 @@ from peerd.compute import PRIORITY_INFERENCE, ComputeQueue
 
 # Most rows one merged forward takes; the rest wait for the next round (keeps a round short).
 MAX_BATCH_ROWS = 32
-# Steps of up to this many tokens merge with decode steps (small prefills, replays of a few
-# tokens); longer ones run alone, one chunk (Span.chunk_tokens) per turn.
+# Steps of up to this many tokens merge with others of about their length (decode steps with
+# decode steps, small prefills, short replays); longer ones run alone, one chunk
+# (Span.chunk_tokens) per turn.
 MERGE_MAX_TOKENS = 16
 # Steps of concurrent sessions arrive a little apart (one client sends them one after another,
 # the previous server pushes them one by one). When the device is free and sessions that stepped
@@ -189,16 +190,23 @@ class StepBatcher:
         batch = [head]
         if self.enabled and head.left <= MERGE_MAX_TOKENS:
             rows, sessions = head.rows, {id(head.session)}
+            tokens, longest = head.rows * head.left, head.left
             for step in queue[1:]:
+                # Shorter steps are padded to the longest: merge only while that pays (at most
+                # half of the rows' positions padding), e.g. decode steps with decode steps.
+                padded = (rows + step.rows) * max(longest, step.left)
                 if (
                     step.span is head.span
                     and step.adapter == head.adapter
                     and step.left <= MERGE_MAX_TOKENS
                     and rows + step.rows <= self.max_rows
                     and id(step.session) not in sessions
+                    and padded <= 2 * (tokens + step.rows * step.left)
                 ):
                     batch.append(step)
                     rows += step.rows
+                    tokens += step.rows * step.left
+                    longest = max(longest, step.left)
                     sessions.add(id(step.session))
         for step in batch:
             self._waiting.remove(step)
