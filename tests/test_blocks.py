@@ -313,6 +313,9 @@ def test_half_precision_span_runs_close_to_fp32(tiny: dict[str, Path]) -> None:
     half = blocks.load_span(tiny["llama"], 0, 6, dtype=torch.bfloat16)
     assert half.dtype == torch.bfloat16 and half.kv_bytes_per_token == 2 * 6 * 16 * 2
     full = blocks.load_span(tiny["llama"], 0, 6)
+    # Seeded: the bf16 error depends on the input (0.02 to 0.07 over seeds 0-7), and an unseeded
+    # draw made the test depend on what the tests before it drew.
+    torch.manual_seed(0)
     hidden = torch.randn(1, 6, 32)
     with blocks.MemoryCache(budget_tokens=8).open_session(1, 8) as session:
         out = half(hidden, session)
