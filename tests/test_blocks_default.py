@@ -128,3 +128,30 @@ def test_bench_blocks_reports_span_and_full_model_speeds() -> None:
     assert report["span_decode_tps"] > report["full_decode_tps"]
     refused = CliRunner().invoke(app, ["bench", "blocks", "--start", "25", "--end", "31"])
     assert refused.exit_code == 2 and "blocks 25:31 are not a span" in refused.output
+
+
+def test_merged_decode_steps_of_four_sessions_match_each_alone(default_model: Path) -> None:
+    """Server-side batching on the real model: four sessions' decode steps in one forward give
+    each what it gives alone, to fp32 rounding (the residual stream reaches ~90 here, so the
+    bound is relative to the output's scale: 1e-5 of it)."""
+    span = blocks.load_span(default_model, 0, 10)
+    client = blocks.load_client_side(default_model)
+    prompts = ["Once upon a time, there was a little", "The capital of France is", "def f(x):"]
+    prompts.append("Water boils at a temperature of")
+    cache = blocks.MemoryCache(budget_tokens=8 * 64)
+
+    def prefilled() -> list[blocks.SpanSession]:
+        sessions = []
+        for text in prompts:
+            session = cache.open_session(1, 64)
+            span(client.embed(client.tokenizer(text, return_tensors="pt").input_ids), session)
+            sessions.append(session)
+        return sessions
+
+    with torch.inference_mode():
+        alone, merged = prefilled(), prefilled()
+        steps = [client.embed(torch.tensor([[7 * i + 3]])) for i in range(len(prompts))]
+        want = [span(h, s) for h, s in zip(steps, alone, strict=True)]
+        got = span.forward_batch(list(zip(steps, merged, strict=True)))
+    for g, w in zip(got, want, strict=True):
+        assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())
