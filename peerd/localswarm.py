@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from peerd.netns import Host
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -30,16 +32,19 @@ class DaemonProcess:
     span: tuple[int, int] | None = None
     output: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # extra environment of the daemon
+    # Command prefix that runs the daemon elsewhere, e.g. `ip netns exec NS` (peerd.netns).
+    launcher: list[str] = field(default_factory=list)
 
     @property
     def maddr(self) -> str:
-        return next(a for a in self.maddrs if "/ip4/127.0.0.1/" in a)
+        """Its first direct listen address (127.0.0.1 unless it runs in a namespace)."""
+        return next(a for a in self.maddrs if "/p2p-circuit" not in a)
 
     def start(self, timeout: float = 180.0) -> DaemonProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **self.env)
         log = open(self.log_path, "a")  # noqa: SIM115 (closed when the process ends)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "cli", "start", *self.args, *self._own_files()],
+            [*self.launcher, sys.executable, "-m", "cli", "start", *self.args, *self._own_files()],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -119,7 +124,9 @@ class LocalSwarm:
         *extra: str,
         identity: str | None = None,
         env: dict[str, str] | None = None,
+        host: Host | None = None,
     ) -> DaemonProcess:
+        """Start a daemon; with `host` (peerd.netns), inside that host's network namespace."""
         peers = self.initial_peers
         join = ["--initial-peers", peers[0]] if peers else ["--new-swarm"]
         args = [
@@ -127,7 +134,7 @@ class LocalSwarm:
             blocks,
             *join,
             "--host-maddrs",
-            "/ip4/127.0.0.1/tcp/0",
+            f"/ip4/{host.ip if host else '127.0.0.1'}/tcp/0",
             "--refresh-period",
             str(self.refresh_period),
             "--torch-threads",
@@ -143,6 +150,7 @@ class LocalSwarm:
             socket=self.workdir / f"{name}.sock",
             log_path=self.workdir / f"{name}.log",
             env=env or {},
+            launcher=host.exec_args() if host else [],
         )
         self.daemons.append(daemon)
         return daemon.start()

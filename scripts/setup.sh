@@ -38,6 +38,18 @@ if ! command -v systemd-analyze >/dev/null 2>&1; then
     fi
 fi
 
+# The NAT tests (tests/test_netns.py) build home networks from network namespaces (iproute2)
+# behind NAT routers (iptables MASQUERADE).
+if ! command -v ip >/dev/null 2>&1 || ! command -v iptables >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iproute2 iptables >/dev/null
+    else
+        echo "peerd setup: ip or iptables is missing, so the NAT tests will be skipped;" \
+            "run: sudo apt-get install iproute2 iptables" >&2
+    fi
+fi
+
 [ -x .venv/bin/python ] || python3 -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 # Pin the CPU build that lies on disk: an unpinned torch pulls a multi-GB CUDA build.

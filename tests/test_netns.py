@@ -1,0 +1,117 @@
+"""The netns topology (peerd.netns) behaves like the internet it stands for: home hosts reach
+public hosts through their NAT routers, nothing reaches into a home unasked, and teardown
+leaves no namespace behind (nor any left by a run that died)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from peerd import netns
+from peerd.netns import Host, Nat, Topology
+
+pytestmark = [pytest.mark.netns, pytest.mark.slow]
+
+
+def _unavailable() -> str | None:
+    try:
+        netns.check_available()
+    except netns.NetnsUnavailable as e:
+        return str(e)
+    return None
+
+
+@pytest.fixture
+def topo() -> Iterator[Topology]:
+    if reason := _unavailable():
+        pytest.skip(reason)
+    with netns.topology() as t:
+        yield t
+
+
+# A TCP server that answers each connection with the address the connection came from.
+_ECHO_PEER = """
+import socket, sys
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((sys.argv[1], 7000)); s.listen(8); print("ready", flush=True)
+while True:
+    c, addr = s.accept(); c.sendall(f"{addr[0]}:{addr[1]}".encode()); c.close()
+"""
+
+_DIAL = """
+import socket, sys
+out = []
+for _ in range(2):
+    try:
+        c = socket.create_connection((sys.argv[1], 7000), timeout=2)
+        out.append(c.recv(100).decode()); c.close()
+    except OSError as e:
+        out.append(f"error:{type(e).__name__}")
+print(" ".join(out))
+"""
+
+
+def _serve(host: Host) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [*host.exec_args(), sys.executable, "-c", _ECHO_PEER, host.ip],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _dial(src: Host, dst_ip: str) -> list[str]:
+    done = subprocess.run(
+        [*src.exec_args(), sys.executable, "-c", _DIAL, dst_ip],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return done.stdout.split()
+
+
+def test_nat_routers_map_outbound_and_drop_inbound(topo: Topology) -> None:
+    public = topo.add_public("relay")
+    cone = topo.add_home("h1", Nat.CONE)
+    symmetric = topo.add_home("h2", Nat.SYMMETRIC)
+    servers = [_serve(public), _serve(cone)]
+    try:
+        # Outbound through either NAT: the public host sees the router's address.
+        seen = _dial(cone, public.ip)
+        gw1 = topo.hosts["h1gw"].ip
+        assert all(s.startswith(f"{gw1}:") for s in seen), seen
+        seen2 = _dial(symmetric, public.ip)
+        gw2 = topo.hosts["h2gw"].ip
+        assert all(s.startswith(f"{gw2}:") for s in seen2), seen2
+        # Nothing reaches into a home: not its private address, not its router unasked.
+        assert all(s.startswith("error:") for s in _dial(public, cone.ip))
+        assert all(s.startswith("error:") for s in _dial(symmetric, gw1))
+    finally:
+        for proc in servers:
+            proc.kill()
+            proc.wait(10)
+
+
+def test_teardown_removes_every_namespace_and_stale_ones() -> None:
+    if reason := _unavailable():
+        pytest.skip(reason)
+    with netns.topology() as t:
+        t.add_home("h1", Nat.CONE)
+        names = list(t.namespaces)
+        assert len(names) == 3  # the internet, the router, the home host
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in left for name in names)
+    # A run whose process died: its namespaces go, nobody else's do.
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = Topology(run_id=dead.pid)
+    stale.up()
+    time.sleep(0.1)
+    assert stale.internet in netns.remove_stale()
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert stale.internet not in left
