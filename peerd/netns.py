@@ -17,10 +17,12 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 PREFIX = "pdn"
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTERNET_NET = "198.51.100"  # /24: TEST-NET-2
 _NAME = re.compile(rf"^{PREFIX}(\d+)-([a-z0-9]+)$")
 
@@ -119,6 +121,7 @@ class Topology:
     hosts: dict[str, Host] = field(default_factory=dict)
     _next_public: int = 10
     _homes: int = 0
+    _delayers: list[subprocess.Popen[str]] = field(default_factory=list)
 
     def _ns(self, role: str) -> str:
         name = f"{PREFIX}{self.run_id}-{role}"
@@ -201,16 +204,39 @@ class Topology:
         self.hosts[f"{name}gw"] = Host(f"{name}gw", router, wan_ip)
         return host
 
-    def shape(self, host: Host, delay_ms: float, rate_mbit: float, jitter_ms: float = 0.0) -> None:
+    def shape(
+        self, host: Host, delay_ms: float, rate_mbit: float, jitter_ms: float = 0.0
+    ) -> str:
         """WAN emulation on the host's link: every packet it sends waits `delay_ms` (+- jitter)
         and leaves at most at `rate_mbit`, so each direction of a link between two shaped
-        hosts costs one sender's delay."""
-        args = ["tc", "qdisc", "replace", "dev", "eth0", "root", "netem", "delay", f"{delay_ms}ms"]
-        if jitter_ms:
-            args += [f"{jitter_ms}ms", "distribution", "normal"]
+        hosts costs one sender's delay. Uses `tc netem` where the kernel has it; otherwise a
+        `tbf` qdisc for the rate and peerd.netem (an NFQUEUE delayer) for the delay. Returns
+        which of the two ("netem" or "nfqueue")."""
         # A queue deep enough for a bandwidth-delay product of 100 Mbit/s x 100 ms.
-        args += ["rate", f"{rate_mbit}mbit", "limit", "10000"]
-        self._in(host.netns, *args)
+        netem = ["tc", "qdisc", "replace", "dev", "eth0", "root", "netem"]
+        netem += ["delay", f"{delay_ms}ms"] + ([f"{jitter_ms}ms"] if jitter_ms else [])
+        netem += ["rate", f"{rate_mbit}mbit", "limit", "10000"]
+        try:
+            self._in(host.netns, *netem)
+            return "netem"
+        except RuntimeError as e:
+            if "unknown" not in str(e).lower():
+                raise
+        self._in(host.netns, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+                 "rate", f"{rate_mbit}mbit", "burst", "64kb", "latency", "400ms")  # fmt: skip
+        delayer = subprocess.Popen(
+            [*host.exec_args(), sys.executable, "-m", "peerd.netem", "--queue", "0",
+             "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms)],
+            stdout=subprocess.PIPE, text=True, cwd=_ROOT,
+        )  # fmt: skip
+        self._delayers.append(delayer)
+        assert delayer.stdout is not None
+        if delayer.stdout.readline().strip() != "delaying":
+            raise RuntimeError(f"the packet delayer in {host.netns} did not start")
+        # --queue-bypass: should the delayer die, packets flow undelayed instead of dropping.
+        self._in(host.netns, "iptables", "-A", "OUTPUT", "-o", "eth0", "-j", "NFQUEUE",
+                 "--queue-num", "0", "--queue-bypass")  # fmt: skip
+        return "nfqueue"
 
     def block(self, a: Host, b: Host) -> None:
         """Drop everything from `a` to `b` (both ways are cut once done for b->a too)."""
@@ -218,6 +244,10 @@ class Topology:
 
     def down(self) -> None:
         """Delete every namespace of this run (processes inside are killed first)."""
+        for delayer in self._delayers:
+            delayer.kill()
+            delayer.wait(10)
+        self._delayers.clear()
         for name in reversed(self.namespaces):
             _delete_namespace(name)
         self.namespaces.clear()

@@ -115,3 +115,40 @@ def test_teardown_removes_every_namespace_and_stale_ones() -> None:
     assert stale.internet in netns.remove_stale()
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert stale.internet not in left
+
+
+_PING_PONG = """
+import socket, statistics, sys, time
+c = socket.create_connection((sys.argv[1], 7000), timeout=5)
+c.close()
+rtts = []
+for _ in range(8):
+    started = time.perf_counter()
+    c = socket.create_connection((sys.argv[1], 7000), timeout=5)
+    c.recv(100)
+    c.close()
+    rtts.append(time.perf_counter() - started)
+print(statistics.median(rtts))
+"""
+
+
+def test_shaped_links_delay_each_direction(topo: Topology) -> None:
+    a = topo.add_public("a")
+    b = topo.add_public("b")
+    server = _serve(b)
+    try:
+        kinds = {topo.shape(a, delay_ms=25, rate_mbit=100), topo.shape(b, 25, 100)}
+        assert kinds <= {"netem", "nfqueue"}
+        done = subprocess.run(
+            [*a.exec_args(), sys.executable, "-c", _PING_PONG, b.ip],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        # A TCP connect and the first reply: SYN, SYN-ACK, then data after the ACK, so two
+        # round trips of 25 ms each way.
+        median = float(done.stdout)
+        assert 0.1 <= median < 0.13, (kinds, median)
+    finally:
+        server.kill()
+        server.wait(10)
