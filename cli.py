@@ -92,6 +92,10 @@ def start(
     batching: bool = typer.Option(
         True, "--batching/--no-batching", help="Merge concurrent clients' steps into one forward."
     ),
+    reachability: str = typer.Option(
+        "auto",
+        help="auto (peers dial us back: AutoNAT), public, or private (behind NAT: use relays).",
+    ),
 ) -> None:
     """Serve blocks of a model to the swarm and route generations for local clients."""
     from peerd.daemon import DaemonConfig, DaemonError, configure_logging, run
@@ -128,7 +132,12 @@ def start(
         adapters=list(adapters),
         verify_fraction=verify,
         batching=batching,
+        reachability=reachability,
     )
+    if reachability not in ("auto", "public", "private"):
+        raise typer.BadParameter(
+            f"{reachability!r}: expected auto, public or private", param_hint="--reachability"
+        )
     try:
         run(config)
     except (DaemonError, BadMultiaddr, OSError) as e:

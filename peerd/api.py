@@ -600,4 +600,6 @@ def build_status(
         rtts=tuple(float(swarm.rtts.get(r.peer_id, -1.0)) for r in records),
         steps_served=server.counters.steps if server is not None else 0,
         tokens_served=server.counters.tokens_processed if server is not None else 0,
+        reachability=swarm.node.reachability.value if swarm is not None else "unknown",
+        links=tuple(swarm.link(r.peer_id) for r in records) if swarm is not None else (),
     )

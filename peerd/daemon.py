@@ -28,6 +28,7 @@ from peerd.p2p import (
     PUSH_PROTOCOL,
     TRAINING_PROTOCOL,
     Node,
+    Reachability,
     join_discovered_peers,
     open_node,
     parse_peer_maddr,
@@ -47,6 +48,9 @@ AUTO_MEMORY_FRACTION = 0.5
 DEFAULT_CACHE_TOKENS = 16384
 # How long SIGTERM waits for open sessions to finish before closing them.
 DRAIN_DEADLINE_S = 30.0
+# Seconds between AutoNAT checks until peers have given a verdict, and after.
+REACHABILITY_FIRST_CHECKS_S = 2.0
+REACHABILITY_RECHECK_S = 300.0
 
 
 class DaemonError(Exception):
@@ -74,6 +78,7 @@ class DaemonConfig:
     mdns: bool = False  # find and join peers on the LAN
     swarm_name: str = ""  # a private swarm: its DHT keys differ from every other swarm's
     adapters: list[Path] = field(default_factory=list)  # PEFT LoRA directories to serve
+    reachability: str = "auto"  # auto (AutoNAT), public or private (behind NAT: use relays)
     limits: ServerLimits = field(default_factory=ServerLimits)
     verify_fraction: float = 0.0  # spot-check this fraction of our sessions' steps (peerd.verify)
     batching: bool = True  # merge concurrent steps of different sessions into one forward
@@ -182,6 +187,7 @@ class Daemon:
             async with trio.open_nursery() as nursery:
                 if config.mdns:
                     nursery.start_soon(join_discovered_peers, node)
+                nursery.start_soon(self._reachability_forever, nursery)
                 await self.swarm.refresh()
                 if config.blocks is not None:
                     await self._start_serving(nursery)
@@ -200,6 +206,25 @@ class Daemon:
         nursery.start_soon(sample_tokens, self, rate)
         bound = await nursery.start(serve_metrics, port, lambda: daemon_metrics(self, rate))
         self.metrics_port = bound
+
+    async def _reachability_forever(self, nursery: trio.Nursery) -> None:
+        """Learn whether peers can dial us (AutoNAT, or --reachability), then keep relay
+        reservations while we cannot be dialled."""
+        assert self.node is not None
+        node = self.node
+        fixed = self.config.reachability
+        if fixed != "auto":
+            await node.set_reachability(Reachability(fixed))
+        while True:
+            if fixed == "auto":
+                await node.check_reachability()
+            await node.keep_reservations(nursery)
+            decided = node.reachability is not Reachability.UNKNOWN
+            if node.reachability is Reachability.PRIVATE:
+                # Behind NAT: re-check reservations often; relays come and go.
+                await trio.sleep(min(self.config.refresh_period, REACHABILITY_FIRST_CHECKS_S * 5))
+            else:
+                await trio.sleep(REACHABILITY_RECHECK_S if decided else REACHABILITY_FIRST_CHECKS_S)
 
     async def _join(self, text: str) -> None:
         assert self.node is not None

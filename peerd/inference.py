@@ -534,7 +534,7 @@ class InferenceSession:
         self.swarm.node.remember(peer, hop.record.addrs)
         deadline = trio.current_time() + self.connect_timeout
         with trio.fail_after(self.connect_timeout):
-            raw = await self.swarm.node.host.new_stream(peer, [INFERENCE_PROTOCOL])
+            raw = await self.swarm.node.open_stream(peer, INFERENCE_PROTOCOL)
         stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
         await stream.send(request)
         # The reply may take the connect time plus the time we offered to wait in its queue.

@@ -1,15 +1,17 @@
-"""The libp2p node of a daemon: a host pinned to Noise + yamux, its Kademlia DHT, and the peer
-protocol ids. Every quirk of py-libp2p 0.8.1 that we work around lives here (see
+"""The libp2p node of a daemon: a host pinned to Noise + yamux, its Kademlia DHT, circuit relay v2
+(serving it when reachable, reserving slots when behind NAT), AutoNAT and DCUtR hole punching,
+and the peer protocol ids. Every quirk of py-libp2p 0.8.1 that we work around lives here (see
 ../shared/notes/libp2p.md)."""
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, cast
 
 import multiaddr
 import trio
@@ -19,11 +21,19 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.discovery.events.peerDiscovery import peerDiscovery
+from libp2p.host.autonat.autonat import AutoNATService
+from libp2p.host.basic_host import BasicHost
 from libp2p.kad_dht import provider_store
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.relay.circuit_v2.config import RelayConfig, RelayRole
+from libp2p.relay.circuit_v2.dcutr import DCUtRProtocol
+from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
+from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID, CircuitV2Protocol
+from libp2p.relay.circuit_v2.resources import RelayLimits
+from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.tools.anyio_service import background_trio_service
@@ -34,6 +44,35 @@ INFO_PROTOCOL = TProtocol("/peerd/info/1.0.0")
 INFERENCE_PROTOCOL = TProtocol("/peerd/inference/1.0.0")
 PUSH_PROTOCOL = TProtocol("/peerd/push/1.0.0")
 TRAINING_PROTOCOL = TProtocol("/peerd/training/1.0.0")
+
+# What a reachable daemon gives peers behind NAT: enough circuits for a small home swarm, each
+# one short of a long chat's traffic, and reservations refreshed hourly.
+RELAY_LIMITS = RelayLimits(
+    duration=3600, data=1 << 30, max_circuit_conns=64, max_reservations=32, reservation_ttl=3600
+)
+# A daemon behind NAT keeps this many relay reservations: one more than needed, so the loss of
+# one relay leaves it reachable through the other.
+RELAY_RESERVATIONS = 2
+# Seconds a dial (direct or through a relay) may take before the next address is tried.
+DIAL_TIMEOUT_S = 5.0
+# Seconds to wait for one AutoNAT verdict (py-libp2p waits 30 by default).
+AUTONAT_TIMEOUT_S = 8.0
+# Run the DHT in client mode behind NAT (peers cannot dial us for DHT queries anyway). Off:
+# with it, a NATed server's provider records were not found by other NATed peers in the netns
+# test (py-libp2p 0.8.1 client mode; not yet understood), see docs/nat.md.
+DHT_CLIENT_WHEN_PRIVATE = False
+
+
+class Reachability(enum.StrEnum):
+    """Whether peers can dial this daemon, as AutoNAT verdicts of other peers say."""
+
+    UNKNOWN = "unknown"  # nobody answered yet: behave as reachable (the old behaviour)
+    PUBLIC = "public"  # a peer dialled us back: serve relay circuits and the DHT
+    PRIVATE = "private"  # dial-backs failed: reserve relay slots, DHT client only
+
+
+class PeerUnreachable(ConnectionError):
+    """No address of a peer (direct or through a relay) answered."""
 
 
 class BadMultiaddr(ValueError):
@@ -128,25 +167,130 @@ async def join_discovered_peers(node: Node) -> None:
         peerDiscovery.unregister_peer_discovered_handler(discovered)
 
 
+def is_circuit(addr: multiaddr.Multiaddr | str) -> bool:
+    return "/p2p-circuit" in str(addr)
+
+
+class DialBackAutoNAT(AutoNATService):
+    """AutoNAT whose answers mean something. py-libp2p's server dials back with host.connect,
+    which returns the connection the asking peer just opened to us, so every peer would be told
+    it is reachable. We dial the advertised address afresh (a new TCP connection and handshake)
+    and close that connection again."""
+
+    async def _try_dial(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
+        network = self.host.get_network()
+        for raw in addrs:
+            addr = multiaddr.Multiaddr(raw)
+            try:
+                with trio.fail_after(DIAL_TIMEOUT_S):
+                    conn = await network.dial_addr(addr, peer_id)
+            except Exception as e:
+                log.debug("AutoNAT dial-back to %s at %s failed: %s", peer_id, addr, e)
+                continue
+            with contextlib.suppress(Exception):
+                await conn.close()
+            return bytes(raw)
+        return None
+
+
+@dataclass
+class Relay:
+    """Circuit relay v2 on one host: the hop service (used only while we are reachable), the
+    transport that dials through relays and holds our reservations, and DCUtR, which tries to
+    turn every relayed connection into a direct one."""
+
+    protocol: CircuitV2Protocol
+    transport: CircuitV2Transport
+    dcutr: DCUtRProtocol
+
+
 @dataclass
 class Node:
-    """A running host and DHT."""
+    """A running host and DHT, with circuit relay and AutoNAT."""
 
     host: IHost
     dht: KadDHT
+    relay: Relay | None = None
+    autonat: AutoNATService | None = None
+    reachability: Reachability = Reachability.UNKNOWN
+    # Our addresses through relays that hold a reservation for us: relay peer id -> address.
+    relayed_addrs: dict[str, str] = field(default_factory=dict)
 
     @property
     def peer_id(self) -> ID:
         return self.host.get_id()
 
     def maddrs(self) -> list[str]:
-        """Full dialable multiaddrs, ending in /p2p/<peer id>."""
+        """Full dialable multiaddrs, ending in /p2p/<peer id>: our listen addresses, then our
+        addresses through relays."""
         pid = self.peer_id.to_string()
         out = []
         for addr in self.host.get_addrs():
             text = str(addr)
+            if is_circuit(text):
+                continue
             out.append(text if "/p2p/" in text else f"{text}/p2p/{pid}")
-        return out
+        return out + sorted(self.relayed_addrs.values())
+
+    @property
+    def relayed(self) -> bool:
+        """Peers reach us only through relays (we are behind NAT and hold a reservation)."""
+        return self.reachability is Reachability.PRIVATE and bool(self.relayed_addrs)
+
+    def connection_kind(self, peer_id: ID) -> str:
+        """How we are connected to a peer now: "direct", "relayed" or "none"."""
+        conns = self.host.get_network().get_connections(peer_id)
+        live = [c for c in conns if not getattr(c, "is_closed", False)]
+        if not live:
+            return "none"
+        if any(not any(is_circuit(a) for a in _transport_addrs(c)) for c in live):
+            return "direct"
+        return "relayed"
+
+    async def open_stream(self, peer_id: ID, protocol: TProtocol) -> Any:
+        """A new stream to a peer, dialling it first if we hold no connection: through a relay
+        when it announced relayed addresses (it is behind NAT), else directly."""
+        conns = self.host.get_network().get_connections(peer_id)
+        if not any(not getattr(c, "is_closed", False) for c in conns):
+            await self.dial(peer_id)
+        return await self.host.new_stream(peer_id, [protocol])
+
+    async def dial(self, peer_id: ID) -> None:
+        addrs = self.host.get_peerstore().addrs(peer_id)
+        circuits = [a for a in addrs if is_circuit(a)]
+        direct = [a for a in addrs if not is_circuit(a)]
+        errors: list[str] = []
+        if circuits and self.relay is not None:
+            # Behind NAT: its own addresses cannot be dialled from outside its LAN. DCUtR
+            # upgrades the relayed connection to a direct one when the NATs allow it.
+            for addr in circuits:
+                try:
+                    with trio.fail_after(DIAL_TIMEOUT_S):
+                        await self.relay.transport.dial(addr)
+                    return
+                except Exception as e:
+                    errors.append(f"{addr}: {e or type(e).__name__}")
+        if direct:
+            try:
+                with trio.fail_after(DIAL_TIMEOUT_S):
+                    await self.host.connect(PeerInfo(peer_id, direct))
+                return
+            except Exception as e:
+                errors.append(f"{', '.join(map(str, direct))}: {e or type(e).__name__}")
+        if self.relay is not None:
+            # Its relayed addresses may not have reached us yet (DHT provider records carry the
+            # addresses a peer had when it first met the DHT node): try the relays we know.
+            for addr in self._through_known_relays(peer_id)[:RELAY_RESERVATIONS + 1]:
+                try:
+                    with trio.fail_after(DIAL_TIMEOUT_S):
+                        await self.relay.transport.dial(addr)
+                    return
+                except Exception as e:
+                    errors.append(f"{addr}: {e or type(e).__name__}")
+        raise PeerUnreachable(
+            f"cannot reach peer {peer_id}: "
+            + ("; ".join(errors) if errors else "no known address")
+        )
 
     def remember(self, peer_id: ID, addrs: Iterable[str]) -> None:
         """Put a peer's announced addresses (full multiaddrs, as in its record) in the
@@ -167,6 +311,128 @@ class Node:
         await self.host.connect(peer)
         await self.dht.add_peer(peer.peer_id)
 
+    def _through_known_relays(self, peer_id: ID) -> list[multiaddr.Multiaddr]:
+        """Addresses of a peer through every peer we are directly connected to (any reachable
+        daemon serves relay circuits)."""
+        out = []
+        for relay in self.host.get_connected_peers():
+            if relay == peer_id or not self._listens_where_reached(relay):
+                continue
+            base = self._direct_addr(relay)
+            if base is not None:
+                out.append(multiaddr.Multiaddr(f"{base}/p2p/{relay}/p2p-circuit/p2p/{peer_id}"))
+        return out
+
+    def _listens_where_reached(self, peer_id: ID) -> bool:
+        """We reached the peer at an address it listens on, so others can too: a relay worth a
+        reservation. (A peer behind NAT that reached us, or a hole-punched connection, comes
+        from its router's port, which is none of its listen addresses.)"""
+        conns = self.host.get_network().get_connections(peer_id)
+        listening = [str(a).split("/p2p/")[0] for a in self.host.get_peerstore().addrs(peer_id)]
+        for conn in conns:
+            for addr in _transport_addrs(conn):
+                if not is_circuit(addr) and str(addr).split("/p2p/")[0] in listening:
+                    return True
+        return False
+
+    def _direct_addr(self, peer_id: ID) -> str | None:
+        """One transport address of a peer (no /p2p part, no relay)."""
+        for addr in self.host.get_peerstore().addrs(peer_id):
+            if not is_circuit(addr):
+                return str(addr).split("/p2p/")[0]
+        return None
+
+    # --- reachability -------------------------------------------------------------------------
+
+    async def check_reachability(self) -> Reachability:
+        """Ask the peers we are connected to directly to dial us back (AutoNAT) and act on the
+        verdict: reachable -> relay service and DHT server; unreachable -> DHT client and relay
+        reservations (`keep_reservations`). No answer keeps the current state."""
+        if self.autonat is None:
+            return self.reachability
+        servers = [
+            p for p in self.host.get_connected_peers() if self.connection_kind(p) == "direct"
+        ]
+        if not servers:
+            return self.reachability
+        self.autonat.dial_results.clear()
+        with trio.move_on_after(AUTONAT_TIMEOUT_S + 1):
+            async with trio.open_nursery() as nursery:
+                for server in servers:
+                    nursery.start_soon(self._ask_autonat, server)
+        results = self.autonat.dial_results.values()
+        if any(results):
+            await self.set_reachability(Reachability.PUBLIC)
+        elif results:
+            await self.set_reachability(Reachability.PRIVATE)
+        return self.reachability
+
+    async def _ask_autonat(self, server: ID) -> None:
+        assert self.autonat is not None
+        addrs = [a.to_bytes() for a in self.host.get_addrs() if not is_circuit(a)]
+        try:
+            await self.autonat.query_server(server, addrs, timeout=AUTONAT_TIMEOUT_S)
+        except Exception as e:  # a peer that does not answer says nothing about us
+            log.debug("AutoNAT query to %s failed: %s", server, e)
+            self.autonat.dial_results.pop(server, None)
+
+    async def set_reachability(self, reachability: Reachability) -> None:
+        if reachability is self.reachability:
+            return
+        log.info("reachability: %s (was %s)", reachability.value, self.reachability.value)
+        self.reachability = reachability
+        private = reachability is Reachability.PRIVATE
+        if self.relay is not None:
+            self.relay.protocol.allow_hop = not private
+        mode = DHTMode.CLIENT if private and DHT_CLIENT_WHEN_PRIVATE else DHTMode.SERVER
+        if self.dht.mode != mode:
+            await self.dht.switch_mode(mode)
+            # Switching to client mode empties the routing table (py-libp2p 0.8.1): put the
+            # peers we are connected to back, or our look-ups would ask nobody.
+            for peer in self.host.get_connected_peers():
+                with contextlib.suppress(Exception):
+                    await self.dht.add_peer(peer)
+        if not private:
+            self.relayed_addrs.clear()
+
+    async def keep_reservations(self, nursery: trio.Nursery) -> None:
+        """While unreachable, hold RELAY_RESERVATIONS reservations on peers that serve relay
+        circuits (a reachable peer does), dropping relays we lost the connection to."""
+        if self.relay is None or self.reachability is not Reachability.PRIVATE:
+            return
+        for relay_id in list(self.relayed_addrs):
+            if self.connection_kind(ID.from_base58(relay_id)) != "direct":
+                log.info("lost relay %s", relay_id)
+                del self.relayed_addrs[relay_id]
+        for peer in self.host.get_connected_peers():
+            if len(self.relayed_addrs) >= RELAY_RESERVATIONS:
+                return
+            if peer.to_string() in self.relayed_addrs or not self._listens_where_reached(peer):
+                continue
+            try:
+                with trio.fail_after(DIAL_TIMEOUT_S):
+                    stream = await self.host.new_stream(peer, [HOP_PROTOCOL])
+                    reserved = await self.relay.transport.reserve(stream, peer, nursery)
+            except Exception as e:
+                log.debug("no relay reservation on %s: %s", peer, e)
+                continue
+            if not reserved:
+                continue
+            base = self._direct_addr(peer)
+            if base is None:
+                continue
+            self.relayed_addrs[peer.to_string()] = (
+                f"{base}/p2p/{peer}/p2p-circuit/p2p/{self.peer_id.to_string()}"
+            )
+            log.info("reserved a relay slot on %s", peer)
+
+
+def _transport_addrs(conn: Any) -> list[multiaddr.Multiaddr]:
+    try:
+        return list(conn.get_transport_addresses())
+    except Exception:
+        return []
+
 
 @asynccontextmanager
 async def open_node(
@@ -181,5 +447,33 @@ async def open_node(
     async with host.run(addrs):
         # The DHT exists before any peer identifies us (notes/libp2p.md, pitfall 8).
         dht = KadDHT(host, DHTMode.SERVER if dht_server else DHTMode.CLIENT)
-        async with background_trio_service(dht):
-            yield Node(host, dht)
+        protocol = CircuitV2Protocol(host, limits=RELAY_LIMITS, allow_hop=True)
+        host.set_stream_handler(HOP_PROTOCOL, protocol._handle_hop_stream)
+        host.set_stream_handler(STOP_PROTOCOL_ID, protocol._handle_stop_stream)
+        config = RelayConfig(
+            roles=RelayRole.HOP | RelayRole.STOP | RelayRole.CLIENT, limits=RELAY_LIMITS
+        )
+        dcutr = DCUtRProtocol(host, dial_timeout=int(DIAL_TIMEOUT_S))
+        autonat = DialBackAutoNAT(cast(BasicHost, host), confirmations=1)
+        async with (
+            background_trio_service(dht),
+            background_trio_service(protocol),
+            background_trio_service(dcutr),
+        ):
+            relay = Relay(protocol, CircuitV2Transport(host, protocol, config), dcutr)
+            node = Node(host, dht, relay=relay, autonat=autonat)
+            _announce_relayed_addrs(node)
+            yield node
+
+
+def _announce_relayed_addrs(node: Node) -> None:
+    """Peers learn our addresses from the host (identify, DHT provider records); behind NAT
+    only our addresses through relays are of use to them, so the host lists those too.
+    (py-libp2p's own dialer skips /p2p-circuit addresses; Node.dial uses them.)"""
+    listen_addrs = node.host.get_addrs
+
+    def with_relayed() -> list[multiaddr.Multiaddr]:
+        relayed = [multiaddr.Multiaddr(a) for a in sorted(node.relayed_addrs.values())]
+        return [*listen_addrs(), *relayed]
+
+    node.host.get_addrs = with_relayed  # type: ignore[method-assign]

@@ -183,7 +183,8 @@ class BlockServer:
             state=self.state,
             version=__version__,
             addrs=tuple(self.addrs()),
-            relayed=False,
+            # Behind NAT with a relay reservation: routes through us cost a relayed hop.
+            relayed=self.node.relayed if self.node is not None else False,
             adapters=self.adapters,
             max_session_length=self.limits.max_session_length,
             max_sessions_per_peer=self.limits.max_sessions_per_peer,
@@ -402,7 +403,7 @@ class BlockServer:
                 raise PeerGone("this server has no host to push with")
             peer = ID.from_base58(target.peer_id)
             self.node.remember(peer, target.addrs)
-            raw = await self.node.host.new_stream(peer, [PUSH_PROTOCOL])
+            raw = await self.node.open_stream(peer, PUSH_PROTOCOL)
             stream = MessageStream(raw, self.limits.max_frame_size)
             self._push_streams[target.peer_id] = stream
         return stream

@@ -132,7 +132,13 @@ class SwarmView:
         async with trio.open_nursery() as nursery:
             for block in blocks:
                 nursery.start_soon(look_up, block)
-        for peer_id in self.records:  # keep asking the servers we know even if the DHT forgot
+        known = list(self.records)  # keep asking the servers we know even if the DHT forgot
+        if not blocks:
+            # ...and the DHT nodes we know of: behind NAT a provider look-up can time out
+            # (other NATed nodes are unreachable for it) while those nodes, asked through a
+            # relay, are the servers we look for.
+            known += [p.to_string() for p in self.node.dht.routing_table.get_peer_ids()]
+        for peer_id in known[:MAX_PROVIDERS]:
             if peer_id not in found:
                 peer = ID.from_base58(peer_id)
                 found[peer_id] = PeerInfo(peer, self.node.host.get_peerstore().addrs(peer))
@@ -146,7 +152,7 @@ class SwarmView:
             with trio.fail_after(INFO_TIMEOUT_S):
                 if peer.addrs:
                     self.node.host.get_peerstore().add_addrs(peer.peer_id, peer.addrs, 3600)
-                raw = await self.node.host.new_stream(peer.peer_id, [INFO_PROTOCOL])
+                raw = await self.node.open_stream(peer.peer_id, INFO_PROTOCOL)
                 stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
                 try:
                     await stream.send(wire.InfoRequest())
@@ -216,6 +222,13 @@ class SwarmView:
         for a long time, whatever it answers later."""
         self.records.pop(peer_id, None)
         self.bans.ban_liar(peer_id, time.time())
+
+    def link(self, peer_id: str) -> str:
+        """How we reach a server now: "direct", "relayed" (through a circuit relay), "none"
+        (no connection open), or "local" (our own server)."""
+        if peer_id == self.node.peer_id.to_string():
+            return "local"
+        return self.node.connection_kind(ID.from_base58(peer_id))
 
     def report_success(self, peer_id: str) -> None:
         self.bans.record_success(peer_id)

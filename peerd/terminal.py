@@ -96,9 +96,23 @@ def servers_per_block(status: wire.StatusResponse) -> list[int]:
     return counts
 
 
+def _links(status: wire.StatusResponse) -> list[str]:
+    """The connection to each server now (from the daemon), else what its record says; a
+    server behind NAT is marked `nat`."""
+    now = list(status.links) + [""] * (len(status.swarm) - len(status.links))
+    out = []
+    for info, link in zip(status.swarm, now, strict=True):
+        link = link or ("relayed" if info.relayed else "direct")
+        out.append(f"{link} nat" if info.relayed and link != "relayed" else link)
+    return out
+
+
 def format_status(status: wire.StatusResponse) -> str:
     """Coverage per block and one line per server, as a plain table."""
-    lines = [f"peer {status.peer_id} (peerd {status.version}, up {status.uptime_s:.0f} s)"]
+    lines = [
+        f"peer {status.peer_id} (peerd {status.version}, up {status.uptime_s:.0f} s, "
+        f"reachability {status.reachability})"
+    ]
     if status.serving is not None:
         s = status.serving
         lines.append(
@@ -125,8 +139,9 @@ def format_status(status: wire.StatusResponse) -> str:
     )
     lines += ["", header]
     rtts = list(status.rtts) + [-1.0] * (len(status.swarm) - len(status.rtts))
-    for info, rtt in sorted(zip(status.swarm, rtts, strict=True), key=lambda x: x[0].start):
-        link = "relayed" if info.relayed else "direct"
+    links = _links(status)
+    rows = sorted(zip(status.swarm, rtts, links, strict=True), key=lambda x: x[0].start)
+    for info, rtt, link in rows:
         shown_rtt = f"{rtt * 1000:.1f}" if rtt >= 0 else "-"
         lines.append(
             f"...{info.peer_id[-16:]:<17} {info.start:>3}:{info.end:<3} {info.state:<8} "
@@ -175,14 +190,15 @@ def status_table(status: wire.StatusResponse) -> Any:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     rtts = list(status.rtts) + [-1.0] * (len(status.swarm) - len(status.rtts))
     state_style = {"online": "green", "joining": "yellow", "draining": "magenta"}
-    for info, rtt in sorted(zip(status.swarm, rtts, strict=True), key=lambda x: x[0].start):
+    rows = sorted(zip(status.swarm, rtts, _links(status), strict=True), key=lambda x: x[0].start)
+    for info, rtt, link in rows:
         table.add_row(
             f"...{info.peer_id[-16:]}",
             f"{info.start}:{info.end}",
             Text(info.state, style=state_style.get(info.state, "")),
             f"{info.throughput:.1f}",
             f"{rtt * 1000:.1f}" if rtt >= 0 else "-",
-            "relayed" if info.relayed else "direct",
+            link,
             str(info.free_cache_tokens),
             ", ".join(info.adapters) or "-",
         )

@@ -304,3 +304,7 @@ class StatusResponse(Message):
     """Inference steps this daemon's block server has run."""
     tokens_served: int = spec(default=0, ge=0)
     """Tokens (batch x positions) that went through this daemon's blocks."""
+    reachability: str = spec(default="unknown", max_len=16)
+    """Whether peers can dial this daemon: public, private (behind NAT) or unknown."""
+    links: tuple[str, ...] = spec(default=(), max_items=MAX_SWARM_RECORDS)
+    """How this daemon is connected to each server in `swarm` now: direct, relayed or none."""
