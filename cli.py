@@ -436,6 +436,25 @@ def bench_blocks(
     _print_report(report, as_json)
 
 
+@bench_app.command("wan")
+def bench_wan(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    runs: int = typer.Option(2, min=1, help="Repetitions; medians are reported."),
+    new_tokens: int = typer.Option(16, min=2, help="Greedy tokens per generation."),
+) -> None:
+    """3 servers and a client on an emulated WAN (25 ms one way, 100 Mbit/s per link; needs
+    root): per-token latency against its floor, with server-to-server push on and off."""
+    from peerd.bench.wan import run_wan_bench
+    from peerd.netns import NetnsUnavailable
+
+    try:
+        report = run_wan_bench(new_tokens=new_tokens, runs=runs)
+    except NetnsUnavailable as e:
+        typer.echo(f"peerd bench wan: {e}", err=True)
+        raise typer.Exit(2) from None
+    _print_report(report, as_json)
+
+
 @bench_app.command("swarm")
 def bench_swarm(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),

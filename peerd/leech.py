@@ -43,13 +43,14 @@ async def open_leech(
     refresh_period: float = 5.0,
     wait_for_coverage_s: float = 60.0,
     verify_fraction: float = 0.0,
+    listen: str = "/ip4/127.0.0.1/tcp/0",
 ) -> AsyncIterator[Leech]:
     """Join the swarm through `initial_peers` and wait until every block of `model` is served.
     `verify_fraction`: spot-check that fraction of steps on a second server (peerd.verify)."""
     checkpoint = blocks.resolve_checkpoint(model)
     client = await trio.to_thread.run_sync(blocks.load_client_side, checkpoint)
     num_blocks = int(client.config.num_hidden_layers)
-    async with open_node(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], dht_server=True) as node:
+    async with open_node(create_new_key_pair(), [listen], dht_server=True) as node:
         for text in initial_peers:
             with trio.fail_after(10):
                 await node.connect(parse_peer_maddr(text))

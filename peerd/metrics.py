@@ -146,8 +146,8 @@ def daemon_metrics(daemon: Daemon, rate: TokenRate) -> list[Metric]:
         Metric("peerd_swarm_servers", "gauge", "Servers of the model in this daemon's view.").add(
             len(daemon.swarm.records) if daemon.swarm is not None else 0
         ),
-        Metric("peerd_relayed_connections", "gauge", "Connections through a relay (none yet).").add(
-            0
+        Metric("peerd_relayed_connections", "gauge", "Peers reached only through a relay.").add(
+            _relayed_peers(daemon)
         ),
         Metric(
             "peerd_generations_total", "counter", "Generations the local API served (Generate)."
@@ -225,3 +225,10 @@ async def _answer(stream: trio.SocketStream, collect: Callable[[], list[Metric]]
     ).encode()
     await stream.send_all(head if parts[:1] == [b"HEAD"] else head + payload)
     await stream.aclose()
+
+
+def _relayed_peers(daemon: Any) -> int:
+    node = daemon.node
+    if node is None:
+        return 0
+    return sum(node.connection_kind(p) == "relayed" for p in node.host.get_connected_peers())

@@ -4,6 +4,7 @@ leaves no namespace behind (nor any left by a run that died)."""
 
 from __future__ import annotations
 
+import struct
 import subprocess
 import sys
 import time
@@ -13,8 +14,6 @@ import pytest
 
 from peerd import netns
 from peerd.netns import Host, Nat, Topology
-
-pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 
 def _unavailable() -> str | None:
@@ -75,6 +74,8 @@ def _dial(src: Host, dst_ip: str) -> list[str]:
     return done.stdout.split()
 
 
+@pytest.mark.netns
+@pytest.mark.slow
 def test_nat_routers_map_outbound_and_drop_inbound(topo: Topology) -> None:
     public = topo.add_public("relay")
     cone = topo.add_home("h1", Nat.CONE)
@@ -97,6 +98,8 @@ def test_nat_routers_map_outbound_and_drop_inbound(topo: Topology) -> None:
             proc.wait(10)
 
 
+@pytest.mark.netns
+@pytest.mark.slow
 def test_teardown_removes_every_namespace_and_stale_ones() -> None:
     if reason := _unavailable():
         pytest.skip(reason)
@@ -132,6 +135,8 @@ print(statistics.median(rtts))
 """
 
 
+@pytest.mark.netns
+@pytest.mark.slow
 def test_shaped_links_delay_each_direction(topo: Topology) -> None:
     a = topo.add_public("a")
     b = topo.add_public("b")
@@ -152,3 +157,25 @@ def test_shaped_links_delay_each_direction(topo: Topology) -> None:
     finally:
         server.kill()
         server.wait(10)
+
+
+@pytest.mark.parametrize("ids", [[7], [1, 2, 3]])
+def test_delayer_reads_packet_ids_from_nfnetlink_messages(ids: list[int]) -> None:
+    from peerd import netem
+
+    def queued(packet_id: int) -> bytes:
+        # packet id, hardware protocol (IPv4), netfilter hook
+        header = struct.pack("!IHB", packet_id, 0x0800, 3)
+        return netem._message(netem.NFQNL_MSG_PACKET, 0, netem._attr(netem.NFQA_PACKET_HDR, header))
+
+    data = b"".join(queued(packet_id) for packet_id in ids)
+    assert netem._packet_ids(data) == ids
+
+
+def test_delayer_raises_the_kernels_refusal() -> None:
+    from peerd import netem
+
+    header = struct.pack("=IHHII", 36, netem.NLMSG_ERROR, 0, 1, 0)
+    error = header + struct.pack("=i", -1) + bytes(16)
+    with pytest.raises(OSError, match="refused"):
+        netem._packet_ids(error)

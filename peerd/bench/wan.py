@@ -1,0 +1,149 @@
+"""`peerd bench wan`: generation over an emulated wide-area network (peerd.netns): three servers
+(blocks 0:10, 10:20, 20:30) and a client, each on its own host whose link adds 25 ms one way
+and carries at most 100 Mbit/s. The per-token latency is compared with its floor, measured in
+the same run: the network delay along the route plus the compute of every span and of the
+client's own part (embeddings, LM head).
+
+With server-to-server push a token travels client -> s1 -> s2 -> s3 -> client: 4 one-way
+delays. Without push every hop is a round trip from the client: 2 per span, 6 in all. The
+client runs in its own namespace (a child process, `--inner`), as a volunteer's daemon would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+SPANS = ((0, 10), (10, 20), (20, 30))
+DELAY_MS = 25.0
+RATE_MBIT = 100.0
+
+
+def one_way_delays(push: bool, hops: int) -> int:
+    """Link traversals per token: push goes round the ring once, else each hop is a round trip
+    from the client."""
+    return hops + 1 if push else 2 * hops
+
+
+def run_wan_bench(new_tokens: int = 16, runs: int = 2) -> dict[str, Any]:
+    """Build the topology, start the servers, run the measurement in the client's namespace."""
+    from peerd import netns
+    from peerd.localswarm import LocalSwarm
+
+    with netns.topology() as topo:
+        hosts = [topo.add_public(f"s{i + 1}") for i in range(len(SPANS))]
+        client = topo.add_public("client")
+        shaping = {topo.shape(h, DELAY_MS, RATE_MBIT) for h in [*hosts, client]}
+        swarm = LocalSwarm(refresh_period=5.0, torch_threads=1)
+        try:
+            for host, (start, end) in zip(hosts, SPANS, strict=True):
+                swarm.start(host.name, f"{start}:{end}", host=host)
+            inner = subprocess.run(
+                [*client.exec_args(), sys.executable, "-m", "peerd.bench.wan", "--inner",
+                 "--initial-peer", swarm.initial_peers[0], "--listen", client.ip,
+                 "--new-tokens", str(new_tokens), "--runs", str(runs)],
+                capture_output=True, text=True, timeout=900,
+            )  # fmt: skip
+        finally:
+            swarm.stop()
+    if inner.returncode != 0:
+        raise RuntimeError(f"the client of the WAN bench failed:\n{inner.stderr[-3000:]}")
+    report: dict[str, Any] = json.loads(inner.stdout.strip().splitlines()[-1])
+    report["link"] = {"one_way_delay_ms": DELAY_MS, "rate_mbit": RATE_MBIT, "via": sorted(shaping)}
+    return report
+
+
+def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
+    """Seconds one decode token spends in each span (measured here, one torch thread as the
+    servers use) and in the client's own part (embedding, final norm, LM head)."""
+    import torch
+
+    import blocks
+
+    torch.set_num_threads(1)
+    checkpoint = blocks.resolve_checkpoint("default")
+    spans = []
+    for start, end in SPANS:
+        span = blocks.load_span(checkpoint, start, end, torch.float32, "cpu")
+        spans.append(1.0 / blocks.measure_throughput(span, use_disk_cache=False).decode_tps)
+        del span
+    ids = torch.tensor([[42]])
+    times = []
+    with torch.inference_mode():
+        for _ in range(20):
+            started = time.perf_counter()
+            client_side.logits(client_side.embed(ids))
+            times.append(time.perf_counter() - started)
+    return spans, statistics.median(times)
+
+
+def _inner(initial_peer: str, listen: str, new_tokens: int, runs: int) -> dict[str, Any]:
+    import torch
+    import trio
+
+    from peerd.bench.swarm import PROMPT, _swarm_run
+    from peerd.leech import open_leech
+
+    torch.set_num_threads(1)  # the client's part, timed for the floor with one thread too
+
+    async def measure() -> dict[str, Any]:
+        async with open_leech(
+            "default", [initial_peer], refresh_period=5.0, listen=f"/ip4/{listen}/tcp/0"
+        ) as leech:
+            ids = leech.client.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+            await _swarm_run(leech, ids, 4)  # warm-up: connections, first allocations
+            latency: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(runs):
+                for push in (True, False):
+                    _, tps, _ = await _swarm_run(leech, ids, new_tokens, push)
+                    latency[push].append(1.0 / tps)
+            route = leech.swarm.plan()
+            spans_s, client_s = await trio.to_thread.run_sync(_compute_per_token, leech.client)
+        compute_s = sum(spans_s) + client_s
+        rows: list[dict[str, Any]] = []
+        for push in (True, False):
+            network_s = one_way_delays(push, len(route)) * DELAY_MS / 1000
+            token_s = statistics.median(latency[push])
+            floor_s = network_s + compute_s
+            rows.append(
+                {
+                    "push": push,
+                    "token_latency_s": token_s,
+                    "floor_s": floor_s,
+                    "ratio": token_s / floor_s,
+                    "network_s": network_s,
+                    "all_token_latencies_s": latency[push],
+                }
+            )
+        return {
+            "results": rows,
+            "push_saves_s": rows[1]["token_latency_s"] - rows[0]["token_latency_s"],
+            "compute_per_span_s": spans_s,
+            "client_compute_s": client_s,
+            "route": [f"{hop.start}:{hop.end}@{hop.peer_id[-8:]}" for hop in route],
+            "new_tokens": new_tokens,
+            "runs": runs,
+        }
+
+    return trio.run(measure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the client half of `peerd bench wan`")
+    parser.add_argument("--inner", action="store_true", required=True)
+    parser.add_argument("--initial-peer", required=True)
+    parser.add_argument("--listen", required=True)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--runs", type=int, default=2)
+    args = parser.parse_args()
+    report = _inner(args.initial_peer, args.listen, args.new_tokens, args.runs)
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
