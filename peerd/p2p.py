@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import ipaddress
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -277,9 +278,11 @@ class Node:
                 return
             except Exception as e:
                 errors.append(f"{', '.join(map(str, direct))}: {e or type(e).__name__}")
-        if self.relay is not None:
-            # Its relayed addresses may not have reached us yet (DHT provider records carry the
-            # addresses a peer had when it first met the DHT node): try the relays we know.
+        if self.relay is not None and direct and all(_on_a_lan(a) for a in direct):
+            # Only LAN addresses: it is behind NAT, and its relayed addresses may not have
+            # reached us yet (DHT provider records carry the addresses a peer had when it first
+            # met the DHT node): try the relays we know. (A peer at a public or loopback
+            # address that does not answer is gone: no relay will find it.)
             for addr in self._through_known_relays(peer_id)[:RELAY_RESERVATIONS + 1]:
                 try:
                     with trio.fail_after(DIAL_TIMEOUT_S):
@@ -425,6 +428,21 @@ class Node:
                 f"{base}/p2p/{peer}/p2p-circuit/p2p/{self.peer_id.to_string()}"
             )
             log.info("reserved a relay slot on %s", peer)
+
+
+_LAN_NETWORKS = tuple(
+    ipaddress.ip_network(n)
+    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")
+)
+
+
+def _on_a_lan(addr: multiaddr.Multiaddr) -> bool:
+    """An RFC 1918 or carrier-grade NAT address: reachable only from its own network."""
+    try:
+        ip = ipaddress.ip_address(addr.value_for_protocol("ip4"))
+    except Exception:
+        return False
+    return any(ip in net for net in _LAN_NETWORKS)
 
 
 def _transport_addrs(conn: Any) -> list[multiaddr.Multiaddr]:
