@@ -175,21 +175,28 @@ def is_circuit(addr: multiaddr.Multiaddr | str) -> bool:
 class DialBackAutoNAT(AutoNATService):
     """AutoNAT whose answers mean something. py-libp2p's server dials back with host.connect,
     which returns the connection the asking peer just opened to us, so every peer would be told
-    it is reachable. We dial the advertised address afresh (a new TCP connection and handshake)
-    and close that connection again."""
+    it is reachable. We dial the advertised address afresh: a new TCP connection and a Noise
+    handshake that proves the peer is there, closed again without ever joining the swarm (a
+    second connection to the peer would make the swarm trim one of them)."""
 
     async def _try_dial(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
-        network = self.host.get_network()
+        network: Any = self.host.get_network()
         for raw in addrs:
             addr = multiaddr.Multiaddr(raw)
+            transport = network.transport_manager.transport_for_dialing(addr)
+            if transport is None or is_circuit(addr):
+                continue
             try:
                 with trio.fail_after(DIAL_TIMEOUT_S):
-                    conn = await network.dial_addr(addr, peer_id)
+                    conn = await transport.dial(addr)
+                    try:
+                        await network.upgrader.upgrade_security(conn, True, peer_id)
+                    finally:
+                        with contextlib.suppress(Exception):
+                            await conn.close()
             except Exception as e:
                 log.debug("AutoNAT dial-back to %s at %s failed: %s", peer_id, addr, e)
                 continue
-            with contextlib.suppress(Exception):
-                await conn.close()
             return bytes(raw)
         return None
 

@@ -179,3 +179,49 @@ def test_delayer_raises_the_kernels_refusal() -> None:
     error = header + struct.pack("=i", -1) + bytes(16)
     with pytest.raises(OSError, match="refused"):
         netem._packet_ids(error)
+
+
+# A libp2p node (peerd.p2p.open_node) that joins `peer` if given, then prints what AutoNAT
+# answers about it, as long as it gets a verdict within the deadline.
+_AUTONAT_NODE = """
+import sys, trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from peerd.p2p import open_node, parse_peer_maddr
+
+async def main(ip, peer):
+    async with open_node(create_new_key_pair(), [f"/ip4/{ip}/tcp/0"]) as node:
+        print(node.maddrs()[0], flush=True)
+        if peer:
+            await node.connect(parse_peer_maddr(peer))
+        with trio.move_on_after(40):
+            while (verdict := await node.check_reachability()).value == "unknown":
+                await trio.sleep(0.5)
+        print(verdict.value, flush=True)
+        await trio.sleep(3 if peer else 10)  # stay up to answer the other side
+
+trio.run(main, sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")
+"""
+
+
+def test_autonat_tells_a_public_host_from_one_behind_nat(topo: Topology) -> None:
+    public = topo.add_public("pub")
+    home = topo.add_home("h1", Nat.CONE)
+
+    def node(host: Host, *args: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [*host.exec_args(), sys.executable, "-c", _AUTONAT_NODE, host.ip, *args],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    first = node(public)
+    assert first.stdout is not None
+    second = node(home, first.stdout.readline().strip())
+    try:
+        out, _ = second.communicate(timeout=90)
+        assert out.split()[-1] == "private", out
+        assert first.stdout.readline().strip() == "public"
+    finally:
+        for proc in (first, second):
+            proc.kill()
+            proc.wait(10)
