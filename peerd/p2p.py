@@ -23,6 +23,7 @@ from libp2p.crypto.x25519 import create_new_key_pair as new_x25519_key_pair
 from libp2p.custom_types import TProtocol
 from libp2p.discovery.events.peerDiscovery import peerDiscovery
 from libp2p.host.autonat.autonat import AutoNATService
+from libp2p.host.autonat.pb.autonat_pb2 import Message as AutoNATMessage
 from libp2p.host.basic_host import BasicHost
 from libp2p.kad_dht import provider_store
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
@@ -178,6 +179,23 @@ class DialBackAutoNAT(AutoNATService):
     it is reachable. We dial the advertised address afresh: a new TCP connection and a Noise
     handshake that proves the peer is there, closed again without ever joining the swarm (a
     second connection to the peer would make the swarm trim one of them)."""
+
+    @staticmethod
+    def _filter_by_observed_ip(addrs: list[bytes], observed_ip: str | None) -> list[bytes]:
+        """A peer listening on every interface announces /ip4/0.0.0.0: dial it back at the IP
+        its request came from (behind NAT that is its router, which forwards nothing)."""
+        if observed_ip is None:
+            return []
+        concrete = []
+        for raw in addrs:
+            with contextlib.suppress(Exception):
+                addr = multiaddr.Multiaddr(raw)
+                if addr.value_for_protocol("ip4") == "0.0.0.0":
+                    raw = multiaddr.Multiaddr(
+                        str(addr).replace("/ip4/0.0.0.0/", f"/ip4/{observed_ip}/", 1)
+                    ).to_bytes()
+            concrete.append(raw)
+        return AutoNATService._filter_by_observed_ip(concrete, observed_ip)
 
     async def _try_dial(self, peer_id: ID, addrs: list[bytes]) -> bytes | None:
         network: Any = self.host.get_network()
@@ -381,9 +399,16 @@ class Node:
         assert self.autonat is not None
         addrs = [a.to_bytes() for a in self.host.get_addrs() if not is_circuit(a)]
         try:
-            await self.autonat.query_server(server, addrs, timeout=AUTONAT_TIMEOUT_S)
+            status, _ = await self.autonat.query_server(server, addrs, timeout=AUTONAT_TIMEOUT_S)
         except Exception as e:  # a peer that does not answer says nothing about us
             log.debug("AutoNAT query to %s failed: %s", server, e)
+            self.autonat.dial_results.pop(server, None)
+            return
+        # We ask only over direct connections, so a refusal means none of our addresses is on
+        # the IP the peer sees us at: we are behind NAT, as when its dial-back fails. Any other
+        # answer (a bad request, the peer's internal error) says nothing about us.
+        verdicts = (AutoNATMessage.OK, AutoNATMessage.E_DIAL_ERROR, AutoNATMessage.E_DIAL_REFUSED)
+        if status not in verdicts:
             self.autonat.dial_results.pop(server, None)
 
     async def set_reachability(self, reachability: Reachability) -> None:

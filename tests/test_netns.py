@@ -189,8 +189,9 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from peerd.p2p import open_node, parse_peer_maddr
 
 async def main(ip, peer):
-    async with open_node(create_new_key_pair(), [f"/ip4/{ip}/tcp/0"]) as node:
-        print(node.maddrs()[0], flush=True)
+    # Every interface, as volunteers run it: peers dial back at the IP they see us at.
+    async with open_node(create_new_key_pair(), ["/ip4/0.0.0.0/tcp/0"]) as node:
+        print(node.maddrs()[0].replace("/ip4/0.0.0.0/", f"/ip4/{ip}/"), flush=True)
         if peer:
             await node.connect(parse_peer_maddr(peer))
         with trio.move_on_after(40):
