@@ -255,7 +255,7 @@ class Trainer:
             peer = ID.from_base58(hop.peer_id)
             self.swarm.node.remember(peer, hop.record.addrs)
             with trio.fail_after(OPEN_TIMEOUT_S):
-                raw = await self.swarm.node.host.new_stream(peer, [TRAINING_PROTOCOL])
+                raw = await self.swarm.node.open_stream(peer, TRAINING_PROTOCOL)
         except Exception as e:  # unreachable, dial refused, protocol not offered
             raise HopFailed(hop.peer_id, f"cannot reach {hop.peer_id}: {e}") from e
         stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
