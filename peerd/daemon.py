@@ -259,6 +259,7 @@ class Daemon:
             node=self.node,
             adapters=tuple(a.name for a in self.adapters),
             batching=config.batching,
+            swarm_name=config.swarm_name,
         )
         self.server = server
         self.swarm.local_server = server

@@ -122,8 +122,10 @@ class BlockServer:
         node: Node | None = None,
         adapters: tuple[str, ...] = (),
         batching: bool = True,
+        swarm_name: str = "",
     ) -> None:
         self.model = model
+        self.swarm_name = swarm_name
         self.adapters = adapters  # LoRA adapters the span is loaded with (named in the record)
         self._start, self._end = start, end
         self.compute = compute
@@ -190,6 +192,7 @@ class BlockServer:
             max_sessions_per_peer=self.limits.max_sessions_per_peer,
             max_inflight_bytes_per_peer=self.limits.max_inflight_bytes_per_peer,
             queued_sessions=self.admission.queued,
+            swarm=self.swarm_name,
             updated_at=now,
             expires_at=now + self.record_ttl,
         )

@@ -171,6 +171,9 @@ class SwarmView:
             return None
         if record.peer_id != peer_id or record.model != self.model:
             return None
+        if record.swarm != self.swarm_name:  # met through mDNS or a shared DHT node
+            log.debug("peer %s serves swarm %r, not ours", peer_id, record.swarm)
+            return None
         self.rtts.record(peer_id, time.perf_counter() - started)
         # Expiry on our own clock (peers' clocks may be off): a server that stops answering
         # leaves our view after two refresh periods even if no request to it ever fails.

@@ -53,6 +53,7 @@ class ServerRecord:
         admission limits (0: not announced); a route skips a server whose max_session_length is
         below the session's.
     queued_sessions: sessions waiting there for cache now.
+    swarm: the private swarm the server belongs to ("" for the public one).
     updated_at / expires_at: seconds on the announcer's clock when the record was made and when
         it stops being valid unless refreshed (`math.inf`: no expiry known).
     """
@@ -72,6 +73,7 @@ class ServerRecord:
     max_sessions_per_peer: int = 0
     max_inflight_bytes_per_peer: int = 0
     queued_sessions: int = 0
+    swarm: str = ""
     updated_at: float = 0.0
     expires_at: float = math.inf
 
@@ -103,6 +105,7 @@ class ServerRecord:
                 f"bad {who}: state must be a ServerState, got {type(self.state).__name__}"
             )
         _check_str(who, "version", self.version)
+        _check_str(who, "swarm", self.swarm)
         _check_str_tuple(who, "addrs", self.addrs)
         if not isinstance(self.relayed, bool):
             raise ValueError(f"bad {who}: relayed must be a bool, got {_kind(self.relayed)}")
@@ -153,6 +156,7 @@ class ServerRecord:
             "relayed": self.relayed,
             "adapters": list(self.adapters),
             **{name: getattr(self, name) for name in _LIMIT_FIELDS},
+            "swarm": self.swarm,
             "updated_at": float(self.updated_at),
             "expires_at": float(self.expires_at),
         }
@@ -197,7 +201,7 @@ _LIMIT_FIELDS = (
     "max_inflight_bytes_per_peer",
     "queued_sessions",
 )
-_OPTIONAL_FIELDS = frozenset({"adapters", "updated_at", "expires_at", *_LIMIT_FIELDS})
+_OPTIONAL_FIELDS = frozenset({"adapters", "swarm", "updated_at", "expires_at", *_LIMIT_FIELDS})
 _REQUIRED_FIELDS: tuple[str, ...] = tuple(n for n in _ALL_FIELDS if n not in _OPTIONAL_FIELDS)
 
 

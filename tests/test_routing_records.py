@@ -36,9 +36,11 @@ def test_record_round_trips_through_a_plain_map() -> None:
         max_sessions_per_peer=64,
         max_inflight_bytes_per_peer=1 << 28,
         queued_sessions=3,
+        swarm="lab",
     )
     d = record.to_dict()
     assert d["state"] == "draining"
+    assert d["swarm"] == "lab"
     assert d["addrs"] == ["/ip4/10.0.0.1/tcp/4001/p2p/peerA"]
     assert d["adapters"] == ["lora-x"]
     assert all(type(v) in (str, int, float, bool, list) for v in d.values())

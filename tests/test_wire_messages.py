@@ -86,6 +86,7 @@ INFO = ServerInfo(
     max_sessions_per_peer=64,
     max_inflight_bytes_per_peer=256 << 20,
     queued_sessions=1,
+    swarm="lab",
 )
 
 # Real peer ids (an Ed25519 one as 12D3KooW..., an RSA-style sha2-256 one as Qm...): routing

@@ -103,6 +103,9 @@ class ServerInfo(_Span):
     """Bytes of steps one peer may have queued or computing there; 0: not announced."""
     queued_sessions: int = spec(default=0, ge=0, le=1 << 20)
     """Sessions waiting for cache there now (free_cache_tokens already counts them as taken)."""
+    swarm: str = spec(default="", max_len=MAX_MODEL_LEN)
+    """The private swarm's name (`peerd start --swarm`); "" for the public swarm. Peers of other
+    swarms can still meet (mDNS, shared DHT nodes): a record of another swarm is never used."""
 
 
 @record
