@@ -286,16 +286,10 @@ class Node:
         circuits = [a for a in addrs if is_circuit(a)]
         direct = [a for a in addrs if not is_circuit(a)]
         errors: list[str] = []
-        if circuits and self.relay is not None:
+        if circuits and await self._dial_relayed(circuits, errors):
             # Behind NAT: its own addresses cannot be dialled from outside its LAN. DCUtR
             # upgrades the relayed connection to a direct one when the NATs allow it.
-            for addr in circuits:
-                try:
-                    with trio.fail_after(DIAL_TIMEOUT_S):
-                        await self.relay.transport.dial(addr)
-                    return
-                except Exception as e:
-                    errors.append(f"{addr}: {e or type(e).__name__}")
+            return
         if direct:
             try:
                 with trio.fail_after(DIAL_TIMEOUT_S):
@@ -308,17 +302,27 @@ class Node:
             # reached us yet (DHT provider records carry the addresses a peer had when it first
             # met the DHT node): try the relays we know. (A peer at a public or loopback
             # address that does not answer is gone: no relay will find it.)
-            for addr in self._through_known_relays(peer_id)[:RELAY_RESERVATIONS + 1]:
-                try:
-                    with trio.fail_after(DIAL_TIMEOUT_S):
-                        await self.relay.transport.dial(addr)
-                    return
-                except Exception as e:
-                    errors.append(f"{addr}: {e or type(e).__name__}")
+            relayed = self._through_known_relays(peer_id)[: RELAY_RESERVATIONS + 1]
+            if await self._dial_relayed(relayed, errors):
+                return
         raise PeerUnreachable(
             f"cannot reach peer {peer_id}: "
             + ("; ".join(errors) if errors else "no known address")
         )
+
+    async def _dial_relayed(self, addrs: Iterable[multiaddr.Multiaddr], errors: list[str]) -> bool:
+        """Dial through the first circuit address in `addrs` that answers (False if none does,
+        or we run no relay transport); each failure is noted in `errors`."""
+        if self.relay is None:
+            return False
+        for addr in addrs:
+            try:
+                with trio.fail_after(DIAL_TIMEOUT_S):
+                    await self.relay.transport.dial(addr)
+                return True
+            except Exception as e:
+                errors.append(f"{addr}: {e or type(e).__name__}")
+        return False
 
     def remember(self, peer_id: ID, addrs: Iterable[str]) -> None:
         """Put a peer's announced addresses (full multiaddrs, as in its record) in the
