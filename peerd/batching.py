@@ -28,12 +28,29 @@ MAX_BATCH_ROWS = 32
 # decode steps, small prefills, short replays); longer ones run alone, one chunk
 # (Span.chunk_tokens) per turn.
 MERGE_MAX_TOKENS = 16
-# Steps of concurrent sessions arrive a little apart (one client sends them one after another,
-# the previous server pushes them one by one). When the device is free and sessions that stepped
-# in the last ACTIVE_S are not all here yet, a step waits up to this long for them, so a round
-# takes them all instead of running the first alone. A lone session never waits.
-GATHER_WINDOW_S = 0.005
+# Steps that ran together in one forward come back together: the previous server pushes its
+# merged outputs one after another, a client sends the steps of one LM-head pass one after
+# another. When the device is free and a step's partners of its last forward (its cohort) are not
+# all here yet, it waits for them, so the group runs as one forward again instead of splitting
+# into forwards of one. The wait is a fraction of the time between the session's steps (a step
+# that comes every 400 ms may wait 100 ms for partners that save a whole forward), within these
+# bounds. Steps of other groups are not waited for: they join when they happen to queue
+# together, and stay together from then on. A lone session never waits.
+GATHER_FRACTION = 0.25
+GATHER_MIN_S = 0.005
+GATHER_MAX_S = 0.1
+# A session that stepped longer ago than this has left its cohort (it finished or stalls).
 ACTIVE_S = 1.0
+
+
+@dataclass
+class _Recent:
+    """What the batcher remembers of a session that stepped lately."""
+
+    session: SpanSession
+    at: float  # when its last step came
+    period: float = 0.0  # smoothed time between its steps (0: one step so far)
+    cohort: int = 0  # the merged round that ran its last step (0: it ran alone)
 
 
 @dataclass(eq=False)
@@ -103,7 +120,7 @@ class StepBatcher:
         self._last_turn: dict[str, int] = {}  # owner -> round that last served it
         self._round_queued = False
         self._round_over = trio.Event()
-        self._recent: dict[int, tuple[float, Span, SpanSession]] = {}  # id(session) -> last step
+        self._recent: dict[int, _Recent] = {}  # id(session) ->
 
     async def run(
         self,
@@ -117,13 +134,20 @@ class StepBatcher:
         """span(hidden, session, adapter), run in some round on the compute queue; the same
         result (up to float rounding) and the same errors as running it alone."""
         step = _Step(span, session, hidden, owner, next(self._order), session.position, adapter)
-        self._recent[id(session)] = (trio.current_time(), span, session)
+        now = trio.current_time()
+        recent = self._recent.get(id(session))
+        if recent is None or recent.session is not session:
+            recent = self._recent[id(session)] = _Recent(session, now)
+        else:
+            interval = now - recent.at
+            recent.period = interval if not recent.period else 0.7 * recent.period + 0.3 * interval
+            recent.at = now
         with self._lock:
             self._waiting.append(step)
         try:
             while not step.finished:
                 if not self._round_queued and self.enabled:
-                    await self._gather(span)
+                    await self._gather(span, recent)
                 if self._round_queued:  # a round is queued or running: it may take this step
                     await self._round_over.wait()
                     continue
@@ -144,21 +168,25 @@ class StepBatcher:
             raise step.error
         return step.outputs[0] if len(step.outputs) == 1 else torch.cat(step.outputs, dim=1)
 
-    async def _gather(self, span: Span) -> None:
-        """Wait (at most GATHER_WINDOW_S) until the steps of every session recently active on
-        `span` are here, or a round is queued."""
-        deadline = trio.current_time() + GATHER_WINDOW_S
+    async def _gather(self, span: Span, recent: _Recent) -> None:
+        """Wait until every recently active session that ran in the same forward as a step
+        waiting for `span` is here too, or a round is queued, or the step of `recent` waited
+        its share of its period."""
+        wait = min(max(GATHER_FRACTION * recent.period, GATHER_MIN_S), GATHER_MAX_S)
+        deadline = trio.current_time() + wait
         while not self._round_queued and trio.current_time() < deadline:
             now = trio.current_time()
-            for key, (at, _, session) in list(self._recent.items()):
-                if now - at > ACTIVE_S or session.closed:
+            for key, other in list(self._recent.items()):
+                if now - other.at > ACTIVE_S or other.session.closed:
                     del self._recent[key]
-            active = sum(1 for _, s, _ in self._recent.values() if s is span)
             with self._lock:
-                here = sum(1 for step in self._waiting if step.span is span)
-            if here >= active:
+                here = {id(step.session) for step in self._waiting if step.span is span}
+            cohorts = {self._recent[key].cohort for key in here if key in self._recent} - {0}
+            if not any(
+                other.cohort in cohorts and key not in here for key, other in self._recent.items()
+            ):
                 return
-            await trio.sleep(GATHER_WINDOW_S / 5)
+            await trio.sleep(GATHER_MIN_S / 5)
 
     def _round(self) -> None:
         """One turn of the device (in the worker thread): pick the steps, run them, record."""
@@ -211,6 +239,9 @@ class StepBatcher:
         for step in batch:
             self._waiting.remove(step)
             self._last_turn[step.owner] = turn
+            recent = self._recent.get(id(step.session))
+            if recent is not None:  # alone (0): no partners to wait for next time
+                recent.cohort = turn if len(batch) > 1 else 0
         return batch
 
     def _run_chunk(self, step: _Step) -> None:

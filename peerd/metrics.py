@@ -114,6 +114,16 @@ def daemon_metrics(daemon: Daemon, rate: TokenRate) -> list[Metric]:
             counters.steps if counters else 0
         ),
         Metric(
+            "peerd_forwards_total",
+            "counter",
+            "Forwards this server ran over its blocks (a merged one counts once).",
+        ).add(server.batcher.counters.forwards if server is not None else 0),
+        Metric(
+            "peerd_merged_steps_total",
+            "counter",
+            "Steps that ran in one forward with other sessions' steps (batching).",
+        ).add(server.batcher.counters.merged_steps if server is not None else 0),
+        Metric(
             "peerd_tokens_served_total",
             "counter",
             "Tokens (batch x positions) that went through this server's blocks.",

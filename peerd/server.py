@@ -43,6 +43,9 @@ PUSH_TIMEOUT_S = 5.0
 # step outputs, so tests can check that clients catch a lying server (peerd.verify). Nothing
 # else sets it; docs/operations.md says never to.
 TEST_CORRUPT_ENV = "PEERD_TEST_CORRUPT"
+# Pushed steps one session may have waiting here. A client sends a session's next step only once
+# it has the last one's result, so more than a handful queued means a confused or hostile peer.
+MAX_PUSHED_QUEUED = 8
 
 
 class AdapterMissing(wire.ProtocolError):
@@ -103,6 +106,11 @@ class _LiveSession:
     lock: trio.Lock = field(default_factory=trio.Lock)  # one step at a time, from either side
     last_active: float = field(default_factory=trio.current_time)
     failure: Refused | None = None
+    # Steps pushed by the previous server, in order; the session's own task runs them, so
+    # pushed steps of different sessions run concurrently (and merge into one forward).
+    pushed: tuple[trio.MemorySendChannel[wire.Step], trio.MemoryReceiveChannel[wire.Step]] = field(
+        default_factory=lambda: trio.open_memory_channel[wire.Step](MAX_PUSHED_QUEUED)
+    )
 
 
 class BlockServer:
@@ -268,7 +276,16 @@ class BlockServer:
                 await messages.send(
                     wire.SessionOpened(session_id=request.session_id, max_length=request.max_length)
                 )
-                await self._serve_steps(live)
+                error: Exception | None = None  # raised as itself, not in an exception group
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._serve_pushed, live)
+                    try:
+                        await self._serve_steps(live)
+                    except Exception as e:
+                        error = e
+                    nursery.cancel_scope.cancel()
+                if error is not None:
+                    raise error
             if live.failure is not None:  # a pushed step broke the session
                 raise live.failure
         finally:
@@ -354,7 +371,8 @@ class BlockServer:
 
     async def handle_push(self, stream: INetStream) -> None:
         """Steps pushed by the previous server of a client's route, for sessions the client
-        opened here. Nothing is answered on this stream: results go to the client."""
+        opened here, each handed to its session's task (so one session's step never holds up
+        another's). Nothing is answered on this stream: results go to the client."""
         messages = MessageStream(stream, self.limits.max_frame_size)
         try:
             while True:
@@ -363,6 +381,28 @@ class BlockServer:
                 if live is None:
                     log.info("pushed step for unknown session %s", message.session_id[:12])
                     continue
+                try:
+                    live.pushed[0].send_nowait(message)
+                except trio.WouldBlock:
+                    live.failure = Refused(
+                        "bad_request",
+                        f"more than {MAX_PUSHED_QUEUED} pushed steps wait for session "
+                        f"{message.session_id[:12]}: send a session's next step only after its "
+                        "result",
+                    )
+                    live.scope.cancel()
+                except trio.BrokenResourceError:  # the session is ending
+                    log.info("pushed step for closing session %s", message.session_id[:12])
+        except (PeerGone, wire.ProtocolError) as e:
+            log.debug("push stream from %s ended: %s", messages.remote_peer, e)
+        finally:
+            await messages.close()
+
+    async def _serve_pushed(self, live: _LiveSession) -> None:
+        """Run the steps pushed for one session, in the order they came; a failure ends the
+        session (its client hears why on its own stream)."""
+        async with live.pushed[1] as pushed:
+            async for message in pushed:
                 try:
                     await self._process(live, message)
                 except wire.ProtocolError as e:
@@ -373,10 +413,6 @@ class BlockServer:
                     live.scope.cancel()
                 except PeerGone:  # the session's client went away; its handler cleans up
                     live.scope.cancel()
-        except (PeerGone, wire.ProtocolError) as e:
-            log.debug("push stream from %s ended: %s", messages.remote_peer, e)
-        finally:
-            await messages.close()
 
     async def _push(self, message: wire.Step, output: torch.Tensor, compression: str) -> bool:
         """Send our output to the next hop as its step; False if that failed."""

@@ -4,15 +4,20 @@ results each step gives alone; turns are fair between clients; one bad step fail
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import trio
 
 import blocks
-from peerd.batching import MERGE_MAX_TOKENS, StepBatcher
+from peerd.batching import GATHER_MIN_S, MERGE_MAX_TOKENS, StepBatcher
 from peerd.compute import ComputeQueue
+from peerd.leech import open_leech
+from peerd.localswarm import LocalSwarm
+from tests.conftest import greedy_continuation
 from tests.test_blocks import _save_tiny
+from tests.test_operations import _metrics_port, _scrape
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +126,76 @@ async def test_a_bad_step_fails_alone_and_the_others_go_on(span: blocks.Span) ->
     assert "closed" in str(results["bad"])
     assert isinstance(results["a"], torch.Tensor) and isinstance(results["b"], torch.Tensor)
     assert [s.position for s in good] == [4, 5]
+
+
+async def test_steps_that_ran_together_wait_for_each_other_and_strangers_do_not(
+    span: blocks.Span,
+) -> None:
+    """Once merged, a group of sessions whose next steps come back a few ms apart (as a previous
+    server pushes them one by one) runs as one forward again; a session that never ran with
+    them does not wait for them."""
+    cache = blocks.MemoryCache(budget_tokens=10_000)
+    group = _prefilled(span, cache, [3, 4, 5, 6])
+    batcher = StepBatcher(ComputeQueue())
+
+    async def step(i: int, delay: float) -> None:
+        await trio.sleep(delay)
+        await batcher.run(span, group[i], torch.randn(1, 1, 32), owner=f"peer{i}")
+
+    async def rounds(count: int, spread: float) -> list[int]:
+        forwards = []
+        for _ in range(count):
+            before = batcher.counters.forwards
+            async with trio.open_nursery() as nursery:
+                for i in range(len(group)):
+                    nursery.start_soon(step, i, i * spread)
+            forwards.append(batcher.counters.forwards - before)
+            await trio.sleep(0.1)  # the sessions step every ~100 ms: they may wait ~25 ms
+        return forwards
+
+    assert (await rounds(1, 0.0))[0] <= 2  # arrive together: merged (the first may go alone)
+    # Now they arrive 5 ms apart, the last 15 ms after the first: still one forward each round.
+    assert await rounds(4, 0.005) == [1, 1, 1, 1]
+
+    stranger = _prefilled(span, cache, [2])[0]
+    began = trio.current_time()
+    await batcher.run(span, stranger, torch.randn(1, 1, 32), owner="stranger")
+    assert trio.current_time() - began < GATHER_MIN_S + 0.05  # no cohort: it did not wait
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+async def test_pushed_steps_of_concurrent_sessions_merge_on_the_next_server(
+    local_model: Any, tokenizer: Any
+) -> None:
+    """The second server gets its steps only pushed by the first, all on one push stream: it
+    must run them concurrently (merged into shared forwards), and every session still gets the
+    text it gets alone."""
+    swarm = LocalSwarm()
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Red, green"]
+    try:
+        swarm.start("a", "0:15")
+        second = swarm.start("b", "15:30", "--metrics-port", "0")
+        port = _metrics_port(second.output)
+        async with open_leech("default", swarm.initial_peers) as leech:
+            texts: dict[str, str] = {}
+
+            async def generate(prompt: str) -> None:
+                ids = leech.client.tokenizer(prompt, return_tensors="pt")["input_ids"]
+                tokens = [int(t[0, 0]) async for t in leech.generator.generate(ids, 10)]
+                texts[prompt] = leech.client.tokenizer.decode(tokens)
+
+            async with trio.open_nursery() as nursery:
+                for prompt in prompts:
+                    nursery.start_soon(generate, prompt)
+        metrics = _scrape(port)
+        print(f"second server: {metrics['peerd_steps_total']:.0f} steps in "
+              f"{metrics['peerd_forwards_total']:.0f} forwards, "
+              f"{metrics['peerd_merged_steps_total']:.0f} of them merged")  # fmt: skip
+        assert metrics["peerd_merged_steps_total"] >= len(prompts) * 10 // 4  # 0 if run one by one
+        assert metrics["peerd_forwards_total"] < metrics["peerd_steps_total"]
+        for prompt in prompts:
+            want = greedy_continuation(local_model, tokenizer, prompt, 10)
+            assert texts[prompt] == tokenizer.decode(want), prompt
+    finally:
+        swarm.stop()
