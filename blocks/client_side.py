@@ -44,7 +44,10 @@ class ClientSide(nn.Module):
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Hidden states after the last block -> vocabulary logits (final norm, then LM head)."""
         weight = self.lm_head.weight
-        return self.lm_head(self.final_norm(hidden_states.to(weight.device, weight.dtype)))
+        normed = self.final_norm(hidden_states.to(weight.device, weight.dtype))
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return self.lm_head(normed)
+        return _cpu_lm_head(normed, weight, self.lm_head.bias)
 
     @cached_property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -101,3 +104,26 @@ def load_client_side(
     client.eval()
     client.requires_grad_(False)
     return client
+
+
+def _cpu_lm_head(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """hidden @ weight.T (+ bias) on a CPU, as weight @ hidden.T with at least two columns.
+
+    The LM head of a decode step is a few rows against a [vocab, hidden] matrix, bound by reading
+    that matrix. Asked as hidden @ weight.T, the CPU BLAS takes a slow path for it; as weight @
+    hidden.T with two or more columns, it streams the matrix about twice as fast (SmolLM2, fp32,
+    one thread: 11.5 ms -> 5.8 ms for one row, 24 -> 15 ms for eight; no slower for long
+    prompts). The same sums in another order: logits agree within float rounding.
+    """
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    single = rows.shape[0] == 1
+    if single:
+        rows = torch.cat([rows, rows])
+    logits = (weight @ rows.T).T
+    if single:
+        logits = logits[:1]
+    if bias is not None:
+        logits = logits + bias
+    return logits.reshape(*hidden.shape[:-1], weight.shape[0])
