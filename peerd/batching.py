@@ -120,7 +120,7 @@ class StepBatcher:
         self._last_turn: dict[str, int] = {}  # owner -> round that last served it
         self._round_queued = False
         self._round_over = trio.Event()
-        self._recent: dict[int, _Recent] = {}  # id(session) ->
+        self._recent: dict[int, _Recent] = {}  # id(session) -> what we know of its steps
 
     async def run(
         self,
