@@ -8,8 +8,10 @@ from __future__ import annotations
 import contextlib
 import enum
 import ipaddress
+import itertools
 import logging
 import os
+import random
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -64,6 +66,15 @@ RELAY_LIMITS = RelayLimits(
 RELAY_RESERVATIONS = 2
 # Seconds a dial (direct or through a relay) may take before the next address is tried.
 DIAL_TIMEOUT_S = 5.0
+# Pauses between hole-punch attempts to one peer reached only through a relay: the first retries
+# come fast (a punch is timing-sensitive and can collide with the peer's own attempt), later
+# ones back off to a minute, for as long as the peer stays relayed (see HolePuncher).
+PUNCH_RETRY_S = (2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
+# Up to this many seconds of random delay before each attempt; of two peers the one with the
+# larger peer id waits PUNCH_YIELD_S more, so the other usually punches first: both ends drive
+# hole punches, and two attempts started at the same moment cross each other (docs/nat.md).
+PUNCH_JITTER_S = 1.0
+PUNCH_YIELD_S = 3.0
 # Seconds to wait for one AutoNAT verdict (py-libp2p waits 30 by default).
 AUTONAT_TIMEOUT_S = 8.0
 # Run the DHT in client mode behind NAT (peers cannot dial us for DHT queries anyway). Off:
@@ -226,6 +237,67 @@ class DialBackAutoNAT(AutoNATService):
         return None
 
 
+def connection_kind(host: IHost, peer_id: ID) -> str:
+    """How a host is connected to a peer now: "direct", "relayed" or "none"."""
+    conns = host.get_network().get_connections(peer_id)
+    live = [c for c in conns if not getattr(c, "is_closed", False)]
+    if not live:
+        return "none"
+    if any(not any(is_circuit(a) for a in _transport_addrs(c)) for c in live):
+        return "direct"
+    return "relayed"
+
+
+class HolePuncher(DCUtRProtocol):
+    """py-libp2p's DCUtR, driven one task per peer and retried while the peer stays relayed.
+
+    py-libp2p's own driver walks the relayed peers one after the other and gives each at most
+    three attempts, ever: a hopeless punch (through a symmetric NAT: about 25 s per attempt)
+    holds up every other peer behind it, and three unlucky attempts (both ends punching at the
+    same moment, a peer still starting) leave a pair relayed for good. That made the cone-cone
+    pair of tests/test_nat.py stay relayed in some runs. Here every relayed peer gets its own
+    task that punches after a short delay (longer on one side of the pair, so the two seldom
+    start at once) and retries on the PUNCH_RETRY_S schedule until a direct connection exists
+    or the relayed one closes. Once direct, new streams take the
+    direct connection (py-libp2p prefers it) and the relayed one is closed."""
+
+    def __init__(self, host: IHost, dial_timeout: int) -> None:
+        super().__init__(host, dial_timeout=dial_timeout)
+        self._driving: set[ID] = set()
+
+    async def _auto_drive_loop(self) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                for peer_id in self.host.get_network().connections:
+                    if peer_id not in self._driving and self._relayed_only(peer_id):
+                        self._driving.add(peer_id)
+                        nursery.start_soon(self._drive, peer_id)
+                await trio.sleep(1.0)
+
+    def _relayed_only(self, peer_id: ID) -> bool:
+        return peer_id != self.host.get_id() and connection_kind(self.host, peer_id) == "relayed"
+
+    async def _drive(self, peer_id: ID) -> None:
+        yield_s = PUNCH_YIELD_S if self.host.get_id().to_bytes() > peer_id.to_bytes() else 0.0
+        try:
+            for attempt in itertools.count():
+                await trio.sleep(yield_s + random.uniform(0, PUNCH_JITTER_S))
+                if not self._relayed_only(peer_id):
+                    return
+                if peer_id not in self._in_progress:  # else the peer's own punch is under way
+                    # Our schedule replaces py-libp2p's budget of three attempts per peer.
+                    self._hole_punch_attempts.pop(peer_id, None)
+                    try:
+                        if await self.initiate_hole_punch(peer_id):
+                            log.info("direct connection to %s (hole punch)", peer_id)
+                            return
+                    except Exception as e:  # the relayed connection went away meanwhile
+                        log.debug("hole punch to %s failed: %s", peer_id, e)
+                await trio.sleep(PUNCH_RETRY_S[min(attempt, len(PUNCH_RETRY_S) - 1)])
+        finally:
+            self._driving.discard(peer_id)
+
+
 @dataclass
 class Relay:
     """Circuit relay v2 on one host: the hop service (used only while we are reachable), the
@@ -272,13 +344,7 @@ class Node:
 
     def connection_kind(self, peer_id: ID) -> str:
         """How we are connected to a peer now: "direct", "relayed" or "none"."""
-        conns = self.host.get_network().get_connections(peer_id)
-        live = [c for c in conns if not getattr(c, "is_closed", False)]
-        if not live:
-            return "none"
-        if any(not any(is_circuit(a) for a in _transport_addrs(c)) for c in live):
-            return "direct"
-        return "relayed"
+        return connection_kind(self.host, peer_id)
 
     async def open_stream(self, peer_id: ID, protocol: TProtocol) -> Any:
         """A new stream to a peer, dialling it first if we hold no connection: through a relay
@@ -290,7 +356,9 @@ class Node:
 
     async def dial(self, peer_id: ID) -> None:
         addrs = self.host.get_peerstore().addrs(peer_id)
-        circuits = [a for a in addrs if is_circuit(a)]
+        # Relays in address order: every daemon tries the same relay first (and a test knows
+        # which one a relayed pair goes through).
+        circuits = sorted((a for a in addrs if is_circuit(a)), key=str)
         direct = [a for a in addrs if not is_circuit(a)]
         errors: list[str] = []
         if circuits and await self._dial_relayed(circuits, errors):
@@ -360,7 +428,7 @@ class Node:
             base = self._direct_addr(relay)
             if base is not None:
                 out.append(multiaddr.Multiaddr(f"{base}/p2p/{relay}/p2p-circuit/p2p/{peer_id}"))
-        return out
+        return sorted(out, key=str)
 
     def _listens_where_reached(self, peer_id: ID) -> bool:
         """We reached the peer at an address it listens on, so others can too: a relay worth a
@@ -514,7 +582,7 @@ async def open_node(
         config = RelayConfig(
             roles=RelayRole.HOP | RelayRole.STOP | RelayRole.CLIENT, limits=RELAY_LIMITS
         )
-        dcutr = DCUtRProtocol(host, dial_timeout=int(DIAL_TIMEOUT_S))
+        dcutr = HolePuncher(host, dial_timeout=int(DIAL_TIMEOUT_S))
         autonat = DialBackAutoNAT(cast(BasicHost, host), confirmations=1)
         async with (
             background_trio_service(dht),
