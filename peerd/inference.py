@@ -466,7 +466,8 @@ class InferenceSession:
                 )
             except NoRouteError as e:
                 if trio.current_time() > deadline:
-                    raise InferenceFailed(str(e)) from e
+                    why = self.swarm.explain_unreachable(e.missing)
+                    raise InferenceFailed(f"{e}; {why}" if why else str(e)) from e
                 refused.clear()  # try the busy ones again after a pause
                 await self.swarm.refresh()
                 self._check_allowed_cover(start, end)

@@ -356,8 +356,7 @@ class Node:
 
     async def dial(self, peer_id: ID) -> None:
         addrs = self.host.get_peerstore().addrs(peer_id)
-        # Relays in address order: every daemon tries the same relay first (and a test knows
-        # which one a relayed pair goes through).
+        # Relays in address order: every daemon tries the same relay first.
         circuits = sorted((a for a in addrs if is_circuit(a)), key=str)
         direct = [a for a in addrs if not is_circuit(a)]
         errors: list[str] = []
@@ -394,6 +393,7 @@ class Node:
             try:
                 with trio.fail_after(DIAL_TIMEOUT_S):
                     await self.relay.transport.dial(addr)
+                log.info("connected to %s", addr)  # which relay carries it (docs/nat.md)
                 return True
             except Exception as e:
                 errors.append(f"{addr}: {e or type(e).__name__}")

@@ -30,6 +30,9 @@ from routing.rtt import RttTracker
 log = logging.getLogger(__name__)
 
 INFO_TIMEOUT_S = 3.0
+# A server we lost because it could not be reached (not because it left) is remembered this long,
+# so a route that finds no server can say which one is out of reach and why.
+LOST_SERVER_MEMORY_S = 600.0
 MAX_PROVIDERS = 64
 BLOCK_LOOKUP_CONCURRENCY = 4
 # sha2-256 multihash prefix: remote DHT nodes accept multihash keys of any length we need.
@@ -77,6 +80,10 @@ class SwarmView:
         self.refresh_period = refresh_period
         self.own_record = own_record
         self.records: dict[str, ServerRecord] = {}
+        # The last record each server answered with, and why the servers we could not open a
+        # connection to at the last try were out of reach (explain_unreachable).
+        self.last_seen: dict[str, ServerRecord] = {}
+        self.unreachable: dict[str, str] = {}
         # This daemon's own block server, reached directly when a route uses it.
         self.local_server: BlockServer | None = None
         self.rtts = RttTracker()
@@ -148,11 +155,13 @@ class SwarmView:
         """Ask a peer for its live record; None if it does not answer well in time."""
         peer_id = peer.peer_id.to_string()
         started = time.perf_counter()
+        reached = False
         try:
             with trio.fail_after(INFO_TIMEOUT_S):
                 if peer.addrs:
                     self.node.host.get_peerstore().add_addrs(peer.peer_id, peer.addrs, 3600)
                 raw = await self.node.open_stream(peer.peer_id, INFO_PROTOCOL)
+                reached = True
                 stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
                 try:
                     await stream.send(wire.InfoRequest())
@@ -161,7 +170,10 @@ class SwarmView:
                     await stream.close()
         except (PeerGone, wire.ProtocolError, trio.TooSlowError, OSError, Exception) as e:
             log.debug("info from %s failed: %s", peer_id, e)
+            if not reached and peer_id in self.last_seen:
+                self.unreachable[peer_id] = str(e) or f"no connection within {INFO_TIMEOUT_S:g} s"
             return None
+        self.unreachable.pop(peer_id, None)
         if not isinstance(reply, wire.InfoResponse):
             return None
         try:
@@ -193,6 +205,7 @@ class SwarmView:
             if gone:
                 log.info("servers left the swarm view: %s", ", ".join(sorted(gone)))
             self.records = fresh
+            self._remember_seen(fresh)
             for peer_id in gone:
                 self.rtts.forget(peer_id)
 
@@ -212,6 +225,37 @@ class SwarmView:
                     nursery.start_soon(confirm, peer_id, info)
         if (own := self.own_record()) is not None:
             into[own_id] = own
+
+    def _remember_seen(self, fresh: dict[str, ServerRecord]) -> None:
+        self.last_seen.update(fresh)
+        now = time.time()
+        for peer_id, record in list(self.last_seen.items()):
+            if now - record.updated_at > LOST_SERVER_MEMORY_S:
+                del self.last_seen[peer_id]
+                self.unreachable.pop(peer_id, None)
+
+    def explain_unreachable(self, missing: Iterable[tuple[int, int]]) -> str:
+        """Which servers that held some of the `missing` block ranges are still around as far
+        as we know but could not be reached at our last try, and why ("" if none): a server
+        behind NAT whose relays went away looks gone from here although it still runs."""
+        now = time.time()
+        out = []
+        for peer_id, reason in sorted(self.unreachable.items()):
+            record = self.last_seen.get(peer_id)
+            if record is None or not any(record.start < b and a < record.end for a, b in missing):
+                continue
+            out.append(
+                f"server {peer_id} (blocks {record.start}:{record.end}, last answered "
+                f"{now - record.updated_at:.0f} s ago) may still run but cannot be reached from "
+                f"here: {reason}"
+            )
+        if not out:
+            return ""
+        return (
+            "; ".join(out) + ". A server behind NAT is reached through relays: it needs a "
+            "reservation on a relay this daemon can reach (`peerd status` on it lists its "
+            "/p2p-circuit addresses), or a public address"
+        )
 
     def report_failure(self, peer_id: str) -> None:
         """A server failed us: drop it from the view at once and ban it with backoff (the next

@@ -141,6 +141,18 @@ def _circuits_known(client: DaemonProcess, server: DaemonProcess, count: int) ->
         time.sleep(1)
 
 
+def _relay_used(client: DaemonProcess, server: DaemonProcess) -> str:
+    """The peer id of the relay through which `client` last connected to `server` (its log
+    names every circuit address it connects to)."""
+    lines = [
+        line
+        for line in client.log_path.read_text().splitlines()
+        if "connected to /ip4/" in line and line.endswith(f"/p2p-circuit/p2p/{server.peer_id}")
+    ]
+    assert lines, f"{client.name} never connected to the server through a relay"
+    return lines[-1].split("/p2p/")[1].split("/")[0]
+
+
 def test_relay_killed_mid_generation_falls_back(
     nat_swarm: NatSwarm, local_model: Any, tokenizer: Any
 ) -> None:
@@ -180,9 +192,10 @@ def test_relay_killed_mid_generation_falls_back(
     for t in threads:
         t.start()
     started.wait(GENERATION_DEADLINE_S)
-    # The relay the symmetric client goes through: it dials relays in address order (Node.dial),
-    # and the first relay has the lower address.
-    s.relay.kill()
+    # Kill the relay the symmetric client reaches the server through (the last one it dialled).
+    via = _relay_used(s.symmetric_client, s.server)
+    relay, other = (s.relay, s.relay2) if via == s.relay.peer_id else (s.relay2, s.relay)
+    relay.kill()
     began = time.monotonic()
     for t in threads:
         t.join(GENERATION_DEADLINE_S)
@@ -194,3 +207,25 @@ def test_relay_killed_mid_generation_falls_back(
     assert outcome == {"cone": ("done", expected), "symmetric": ("done", expected)}, outcome
     log_after = s.symmetric_client.log_path.read_text()[len(log_before) :]
     assert f"server {s.server.peer_id} failed on blocks" in log_after, log_after[-3000:]
+    assert _relay_used(s.symmetric_client, s.server) == other.peer_id
+
+
+def test_server_out_of_reach_fails_clearly(nat_swarm: NatSwarm) -> None:
+    """With both relays gone the server still runs, but the symmetric client cannot reach it:
+    its generation fails in bounded time with an error that names the server as unreachable
+    (not merely "no peer serves blocks")."""
+    s = nat_swarm
+    s.relay.kill()  # one is dead after the test above; run alone, this one kills both
+    s.relay2.kill()
+    began = time.monotonic()
+    with (
+        pytest.raises(PeerdError) as failed,
+        Client(s.symmetric_client.socket, timeout=GENERATION_DEADLINE_S) as c,
+    ):
+        c.generate(PROMPT, max_new_tokens=4)
+    took = time.monotonic() - began
+    message = str(failed.value)
+    print(f"with no relay left ({took:.1f} s): {failed.value.code}: {message}")
+    assert s.server.alive()
+    assert f"server {s.server.peer_id} (blocks 0:30" in message, message
+    assert "cannot be reached from here" in message, message
