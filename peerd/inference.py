@@ -42,6 +42,8 @@ OPEN_TIMEOUT_S = 10.0
 ADMISSION_WAIT_S = 10.0
 # How long to wait for the swarm to offer a route (servers may be restarting) before failing.
 ROUTE_WAIT_S = 30.0
+# Seconds past that deadline a refresh under way may take to finish (one info round trip).
+INFO_GRACE_S = 3.0
 # Failed servers one session replaces before it gives up (RouteOptions.max_retries overrides it).
 MAX_HOP_FAILURES = 8
 
@@ -469,7 +471,10 @@ class InferenceSession:
                     why = self.swarm.explain_unreachable(e.missing)
                     raise InferenceFailed(f"{e}; {why}" if why else str(e)) from e
                 refused.clear()  # try the busy ones again after a pause
-                await self.swarm.refresh()
+                # A refresh can take long when the DHT nodes are gone (block look-ups time out
+                # one by one): wait for a route until the deadline, not for the refresh.
+                with trio.move_on_after(max(0.0, deadline - trio.current_time()) + INFO_GRACE_S):
+                    await self.swarm.refresh()
                 self._check_allowed_cover(start, end)
                 await trio.sleep(0.5)
                 continue

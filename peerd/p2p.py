@@ -264,15 +264,31 @@ class HolePuncher(DCUtRProtocol):
     def __init__(self, host: IHost, dial_timeout: int) -> None:
         super().__init__(host, dial_timeout=dial_timeout)
         self._driving: set[ID] = set()
+        self._via: dict[ID, str] = {}  # relayed peer -> the relay that carries it
 
     async def _auto_drive_loop(self) -> None:
         async with trio.open_nursery() as nursery:
             while True:
-                for peer_id in self.host.get_network().connections:
-                    if peer_id not in self._driving and self._relayed_only(peer_id):
+                relayed = [p for p in self.host.get_network().connections if self._relayed_only(p)]
+                self._note_relays(relayed)
+                for peer_id in relayed:
+                    if peer_id not in self._driving:
                         self._driving.add(peer_id)
                         nursery.start_soon(self._drive, peer_id)
                 await trio.sleep(1.0)
+
+    def _note_relays(self, relayed: list[ID]) -> None:
+        """Log which relay carries each relayed connection, when it changes: the evidence of
+        which relay a pair depends on (tests/test_nat.py kills that one)."""
+        for peer_id in set(self._via) - set(relayed):
+            del self._via[peer_id]
+        for peer_id in relayed:
+            conns = self.host.get_network().get_connections(peer_id)
+            relays = [r for r in map(_relay_of, conns) if r is not None]
+            # The newest last: a circuit whose relay died may linger until py-libp2p notices.
+            if relays and self._via.get(peer_id) != relays[-1]:
+                self._via[peer_id] = relays[-1]
+                log.info("relayed connection to %s through relay %s", peer_id, relays[-1])
 
     def _relayed_only(self, peer_id: ID) -> bool:
         return peer_id != self.host.get_id() and connection_kind(self.host, peer_id) == "relayed"
@@ -380,8 +396,7 @@ class Node:
             if await self._dial_relayed(relayed, errors):
                 return
         raise PeerUnreachable(
-            f"cannot reach peer {peer_id}: "
-            + ("; ".join(errors) if errors else "no known address")
+            f"cannot reach peer {peer_id}: " + ("; ".join(errors) if errors else "no known address")
         )
 
     async def _dial_relayed(self, addrs: Iterable[multiaddr.Multiaddr], errors: list[str]) -> bool:
@@ -393,7 +408,6 @@ class Node:
             try:
                 with trio.fail_after(DIAL_TIMEOUT_S):
                     await self.relay.transport.dial(addr)
-                log.info("connected to %s", addr)  # which relay carries it (docs/nat.md)
                 return True
             except Exception as e:
                 errors.append(f"{addr}: {e or type(e).__name__}")
@@ -554,6 +568,22 @@ def _on_a_lan(addr: multiaddr.Multiaddr) -> bool:
     except Exception:
         return False
     return any(ip in net for net in _LAN_NETWORKS)
+
+
+def _relay_of(conn: Any) -> str | None:
+    """The peer id of the relay that carries a circuit connection. (py-libp2p names the relay
+    in the address of a circuit we dialled but names us in one we accepted, so ask the stream
+    the circuit runs on: it is a stream of our connection to the relay.)"""
+    # muxer -> secure session -> Noise reader/writer -> raw circuit connection (wrapped for
+    # accounting when we dialled it) -> the stream to the relay
+    layer = getattr(getattr(conn, "muxed_conn", None), "secured_conn", None)
+    for _ in range(4):
+        if layer is None or hasattr(layer, "stream"):
+            break
+        layer = getattr(layer, "_wrapped", None) or getattr(layer, "conn", None)
+    stream = getattr(layer, "stream", None)
+    relay = getattr(getattr(stream, "muxed_conn", None), "peer_id", None)
+    return relay.to_base58() if isinstance(relay, ID) else None
 
 
 def _transport_addrs(conn: Any) -> list[multiaddr.Multiaddr]:

@@ -171,7 +171,10 @@ class SwarmView:
         except (PeerGone, wire.ProtocolError, trio.TooSlowError, OSError, Exception) as e:
             log.debug("info from %s failed: %s", peer_id, e)
             if not reached and peer_id in self.last_seen:
-                self.unreachable[peer_id] = str(e) or f"no connection within {INFO_TIMEOUT_S:g} s"
+                tried = ", ".join(map(str, self.node.host.get_peerstore().addrs(peer.peer_id)))
+                self.unreachable[peer_id] = (
+                    str(e) or f"no connection within {INFO_TIMEOUT_S:g} s to {tried}"
+                )
             return None
         self.unreachable.pop(peer_id, None)
         if not isinstance(reply, wire.InfoResponse):

@@ -142,15 +142,17 @@ def _circuits_known(client: DaemonProcess, server: DaemonProcess, count: int) ->
 
 
 def _relay_used(client: DaemonProcess, server: DaemonProcess) -> str:
-    """The peer id of the relay through which `client` last connected to `server` (its log
-    names every circuit address it connects to)."""
-    lines = [
-        line
-        for line in client.log_path.read_text().splitlines()
-        if "connected to /ip4/" in line and line.endswith(f"/p2p-circuit/p2p/{server.peer_id}")
-    ]
-    assert lines, f"{client.name} never connected to the server through a relay"
-    return lines[-1].split("/p2p/")[1].split("/")[0]
+    """The peer id of the relay that carries `client`'s connection to `server` (its log names
+    the relay of every relayed connection, and each change)."""
+    deadline = time.monotonic() + 10
+    while True:
+        prefix = f"relayed connection to {server.peer_id} through relay "
+        lines = [x for x in client.log_path.read_text().splitlines() if prefix in x]
+        if lines:
+            return lines[-1].split(prefix)[1].strip()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{client.name} logged no relayed connection to the server")
+        time.sleep(1)
 
 
 def test_relay_killed_mid_generation_falls_back(
