@@ -264,7 +264,7 @@ class HolePuncher(DCUtRProtocol):
     def __init__(self, host: IHost, dial_timeout: int) -> None:
         super().__init__(host, dial_timeout=dial_timeout)
         self._driving: set[ID] = set()
-        self._via: dict[ID, str] = {}  # relayed peer -> the relay that carries it
+        self._via: dict[ID, str] = {}  # relayed peer -> the relays that carry it
 
     async def _auto_drive_loop(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -284,11 +284,12 @@ class HolePuncher(DCUtRProtocol):
             del self._via[peer_id]
         for peer_id in relayed:
             conns = self.host.get_network().get_connections(peer_id)
-            relays = [r for r in map(_relay_of, conns) if r is not None]
-            # The newest last: a circuit whose relay died may linger until py-libp2p notices.
-            if relays and self._via.get(peer_id) != relays[-1]:
-                self._via[peer_id] = relays[-1]
-                log.info("relayed connection to %s through relay %s", peer_id, relays[-1])
+            # Two peers that dial each other at once can hold two circuits (py-libp2p keeps
+            # both when they are young), each through its own relay.
+            relays = ", ".join(sorted({r for r in map(_relay_of, conns) if r is not None}))
+            if relays and self._via.get(peer_id) != relays:
+                self._via[peer_id] = relays
+                log.info("relayed connection to %s through relay %s", peer_id, relays)
 
     def _relayed_only(self, peer_id: ID) -> bool:
         return peer_id != self.host.get_id() and connection_kind(self.host, peer_id) == "relayed"
