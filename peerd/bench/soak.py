@@ -69,10 +69,16 @@ def _percentile(values: list[float], q: float) -> float | None:
     return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
-async def _generate(socket: Any, prompt: str, new_tokens: int, stats: _Stats | None) -> list[int]:
+async def _generate(
+    socket: Any,
+    prompt: str,
+    new_tokens: int,
+    stats: _Stats | None,
+    blocked_servers: tuple[str, ...] = (),
+) -> list[int]:
     """Greedy token ids of one generation through the client daemon, timing each token."""
     ids: list[int] = []
-    async with AsyncClient(socket) as client:
+    async with AsyncClient(socket, blocked_servers=blocked_servers) as client:
         started = last = trio.current_time()
         async for message in client.stream_tokens(prompt, max_new_tokens=new_tokens):
             if not isinstance(message, wire.GeneratedToken):
@@ -167,8 +173,15 @@ async def _soak(
     warmup_s: float,
 ) -> dict[str, Any]:
     stats = _Stats(duration=duration_s)
-    # The honest answer of every prompt, before anything is killed (and a warm-up of the path).
-    references = [await _generate(client.socket, p, new_tokens, None) for p in PROMPTS]
+    # The honest answer of every prompt, before anything is killed, from the long-lived servers
+    # (routes prefer the victims, so those would otherwise first serve when a victim dies, after
+    # the warm-up: their first sessions' allocations would count as growth). Then once through
+    # the victims, which must give the same text.
+    victim_ids = tuple(daemon.peer_id for daemon, _ in victims)
+    references = [await _generate(client.socket, p, new_tokens, None, victim_ids) for p in PROMPTS]
+    for prompt, reference in zip(PROMPTS, references, strict=True):
+        if await _generate(client.socket, prompt, new_tokens, None) != reference:
+            stats.mismatched += 1
     rss_start = {d.name: _rss_mb(d) for d in long_lived}
     started = trio.current_time()
     deadline = started + duration_s
