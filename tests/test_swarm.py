@@ -16,7 +16,8 @@ import wire
 from peerd.inference import InferenceSession
 from peerd.leech import open_leech
 from peerd.localswarm import LocalSwarm
-from peerd.p2p import INFERENCE_PROTOCOL
+from peerd.p2p import INFERENCE_PROTOCOL, PUSH_PROTOCOL
+from peerd.server import MAX_PUSHED_QUEUED
 from peerd.streams import MessageStream
 from tests.conftest import greedy_continuation, three_servers_of_ten
 
@@ -108,6 +109,41 @@ async def test_bad_peers_get_clear_errors_and_server_keeps_serving(
             assert healthy.failures == 0
         # And whole generations still come out right.
         assert await _generate(leech, reference["ids"], 8) == reference["new"][:8]
+
+
+async def test_a_flood_of_pushed_steps_ends_that_session_only(three_servers: LocalSwarm) -> None:
+    """A peer pushing many steps for one session without waiting for results: the session ends
+    with a clear bad_request on its client's stream; the server keeps serving."""
+    server = three_servers.daemons[1]  # blocks 10:20
+    async with open_leech("default", three_servers.initial_peers, refresh_period=2.0) as leech:
+        peer = ID.from_base58(server.peer_id)
+
+        async def open_raw(protocol: str) -> MessageStream:
+            raw = await leech.node.host.new_stream(peer, [protocol])
+            return MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
+
+        session = await open_raw(INFERENCE_PROTOCOL)
+        await session.send(
+            wire.OpenSession(session_id="flood", model=leech.swarm.model, start=10, end=20,
+                             max_length=64)
+        )  # fmt: skip
+        assert isinstance(await session.receive(10), wire.SessionOpened)
+        push = await open_raw(PUSH_PROTOCOL)
+        for step_id in range(3 * MAX_PUSHED_QUEUED):  # back to back: far more than may wait
+            await push.send(
+                wire.Step(session_id="flood", step_id=step_id, hidden_states=torch.randn(1, 1, 576))
+            )
+        replies = []
+        with trio.fail_after(60):
+            while not isinstance(reply := await session.receive(60), wire.Error):
+                replies.append(reply)
+        assert reply.code == "bad_request" and "pushed steps wait" in reply.message, reply
+        assert all(isinstance(r, wire.StepResult) for r in replies)
+        assert len(replies) < 3 * MAX_PUSHED_QUEUED  # refused before it ran them all
+        await push.close()
+        # The server still serves everyone else.
+        async with InferenceSession(leech.swarm, max_length=8) as healthy:
+            assert (await healthy.step(torch.randn(1, 2, 576))).shape == (1, 2, 576)
 
 
 async def test_server_killed_mid_generation_is_replaced(reference) -> None:  # type: ignore[no-untyped-def]
