@@ -146,8 +146,13 @@ class Topology:
         self._in(self.internet, "ip", "link", "set", "br0", "up")
         return self
 
+    @staticmethod
+    def _internet_port(role: str) -> str:
+        """The internet's end (on the bridge) of the link of the host or router named `role`."""
+        return f"v{role}"[:15]
+
     def _plug_into_internet(self, netns: str, role: str, ifname: str, ip: str) -> None:
-        port = f"v{role}"[:15]
+        port = self._internet_port(role)
         _run(
             "ip", "link", "add", ifname, "netns", netns, "type", "veth",
             "peer", "name", port, "netns", self.internet,
@@ -208,10 +213,10 @@ class Topology:
         self, host: Host, delay_ms: float, rate_mbit: float, jitter_ms: float = 0.0
     ) -> str:
         """WAN emulation on the host's link: every packet it receives waits `delay_ms` (+-
-        jitter) and it sends at most at `rate_mbit`, so each direction of a link between two
-        shaped hosts costs one delay. Uses `tc netem` where the kernel has it; otherwise a `tbf`
-        qdisc for the rate and peerd.netem (an NFQUEUE delayer) for the delay. Returns which of
-        the two ("netem" or "nfqueue").
+        jitter) and the link carries at most `rate_mbit` (netem: on the way in; tbf: on the way
+        out), so each direction of a link between two shaped hosts costs one delay. Uses `tc
+        netem` where the kernel has it; otherwise a `tbf` qdisc for the rate and peerd.netem (an
+        NFQUEUE delayer) for the delay. Returns which of the two ("netem" or "nfqueue").
 
         The delay is on the way in, after the veth: as on a real path, the packets wait in the
         network, not in the sender's stack. Held in the sender's own qdisc or OUTPUT hook they
@@ -220,7 +225,7 @@ class Topology:
         3 KB echo took 77.5 ms for a 51 ms path)."""
         # A queue deep enough for a bandwidth-delay product of 100 Mbit/s x 100 ms.
         # netem on the internet's port of this host's link: its way out is the host's way in.
-        port = f"v{host.name}"[:15] if host.behind_nat is None else f"v{host.name}gw"[:15]
+        port = self._internet_port(host.name if host.behind_nat is None else f"{host.name}gw")
         netem = ["tc", "qdisc", "replace", "dev", port, "root", "netem"]
         netem += ["delay", f"{delay_ms}ms"] + ([f"{jitter_ms}ms"] if jitter_ms else [])
         netem += ["rate", f"{rate_mbit}mbit", "limit", "10000"]
