@@ -98,8 +98,8 @@ def start(
     ),
 ) -> None:
     """Serve blocks of a model to the swarm and route generations for local clients."""
-    from peerd.daemon import DaemonConfig, DaemonError, configure_logging, run
-    from peerd.p2p import BadMultiaddr
+    from peerd.daemon.main import DaemonConfig, DaemonError, configure_logging, run
+    from peerd.node.p2p import BadMultiaddr
 
     configure_logging(log_level)
     if not new_swarm and not initial_peers and not mdns:
@@ -151,7 +151,7 @@ def start(
 def _client(socket: Path | None, **routing: Any) -> Iterator[Any]:
     """A connection to the local daemon (with Client's routing controls); what the daemon
     refuses becomes a message and exit 1, no daemon at all or bad routing controls exit 2."""
-    from peerd.client import BadRouteOptions, Client, DaemonNotRunning, PeerdError
+    from peerd.sdk.client import BadRouteOptions, Client, DaemonNotRunning, PeerdError
 
     try:
         client = Client(socket, **routing)
@@ -177,7 +177,7 @@ def _options(
     stop: list[str],
     adapter: str | None = None,
 ) -> Any:
-    from peerd.client import GenerateOptions
+    from peerd.sdk.client import GenerateOptions
 
     return GenerateOptions(
         max_new_tokens=max_new_tokens,
@@ -263,7 +263,7 @@ def generate(
 ) -> None:
     """Generate text once through the local daemon, streaming it to stdout; with --file, every
     prompt of the file in one batch, each answer under its prompt's number."""
-    from peerd.terminal import stream_answer
+    from peerd.sdk.terminal import stream_answer
 
     if (prompt is None) == (file is None):
         raise typer.BadParameter("give a PROMPT or --file PROMPTS.txt (not both)")
@@ -319,7 +319,7 @@ def chat(
     show_route: bool = SHOW_ROUTE,
 ) -> None:
     """Chat with the model at the terminal (one conversation, servers keep its cache)."""
-    from peerd.terminal import run_chat, stream_answer
+    from peerd.sdk.terminal import run_chat, stream_answer
 
     options = _options(
         max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, seed, [], adapter
@@ -344,10 +344,10 @@ def status(
     count: int | None = typer.Option(None, min=1, help="With --watch: stop after N refreshes."),
 ) -> None:
     """What the local daemon serves and which servers of the swarm it sees."""
-    from peerd.terminal import format_status, status_table, watch_status
+    from peerd.sdk.terminal import format_status, status_table, watch_status
 
     if watch is not None and not as_json:
-        from peerd.client import Client
+        from peerd.sdk.client import Client
 
         watch_status(lambda: Client(socket), watch, sys.stdout, count=count)
         return
@@ -369,8 +369,8 @@ def demo(
     max_new_tokens: int = typer.Option(48, min=1),
 ) -> None:
     """Start a local swarm of three daemons on the default model, answer a prompt, stop."""
-    from peerd.daemon import configure_logging
-    from peerd.demo import run_demo
+    from peerd.daemon.main import configure_logging
+    from peerd.devtools.demo import run_demo
 
     configure_logging("warning")
     run_demo(prompt, max_new_tokens)
@@ -445,7 +445,7 @@ def bench_wan(
     """3 servers and a client on an emulated WAN (25 ms one way, 100 Mbit/s per link; needs
     root): per-token latency against its floor, with server-to-server push on and off."""
     from peerd.bench.wan import run_wan_bench
-    from peerd.netns import NetnsUnavailable
+    from peerd.devtools.netns import NetnsUnavailable
 
     try:
         report = run_wan_bench(new_tokens=new_tokens, runs=runs)
@@ -463,7 +463,7 @@ def bench_swarm(
 ) -> None:
     """Three local daemons (10/10/10 blocks) vs the whole model in one process, same run."""
     from peerd.bench.swarm import run_swarm_bench
-    from peerd.daemon import configure_logging
+    from peerd.daemon.main import configure_logging
 
     configure_logging("warning")
     _print_report(run_swarm_bench(runs=runs, new_tokens=new_tokens), as_json)
@@ -482,7 +482,7 @@ def bench_soak(
 ) -> None:
     """Clients generate while servers are killed and restarted; failures, latency, RSS."""
     from peerd.bench.soak import run_soak_bench
-    from peerd.daemon import configure_logging
+    from peerd.daemon.main import configure_logging
 
     configure_logging("warning")
     try:
@@ -509,7 +509,7 @@ def bench_batch(
     """Aggregate decode tokens/s of concurrent sessions over one session, with server-side
     batching and without (three local daemons each), same run."""
     from peerd.bench.batch import run_batch_bench
-    from peerd.daemon import configure_logging
+    from peerd.daemon.main import configure_logging
 
     configure_logging("warning")
     _print_report(run_batch_bench(runs=runs, sessions=sessions, new_tokens=new_tokens), as_json)
@@ -530,7 +530,7 @@ def service_install(
     ),
 ) -> None:
     """Write a systemd unit (and an environment file) for `peerd start START_ARGS`."""
-    from peerd.service import ServiceError, ServiceSpec, default_run_as, install, unit_text
+    from peerd.daemon.service import ServiceError, ServiceSpec, default_run_as, install, unit_text
 
     spec = ServiceSpec(
         start_args=tuple(start_args or ()),
@@ -556,7 +556,7 @@ def service_uninstall(
     unit_dir: Path | None = typer.Option(None, help="The unit is here instead."),
 ) -> None:
     """Stop and disable the peerd service and remove its unit (identity and cache stay)."""
-    from peerd.service import uninstall
+    from peerd.daemon.service import uninstall
 
     removed = uninstall(user, unit_dir, reload=unit_dir is None)
     typer.echo(f"removed {removed}" if removed else "no peerd service was installed")

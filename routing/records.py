@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any
 
+import wire
+
 
 class ServerState(enum.StrEnum):
     """Where a server is in its life; only `ONLINE` servers take new sessions."""
@@ -381,3 +383,15 @@ class SwarmSnapshot:
             raise ValueError(
                 f"block {block} is outside {self.model}'s blocks 0-{self.num_blocks - 1}"
             )
+
+
+def record_to_info(record: ServerRecord) -> wire.ServerInfo:
+    """Our record as the wire's ServerInfo (expiry is the receiver's business: clocks differ)."""
+    fields = record.to_dict()
+    del fields["updated_at"], fields["expires_at"]
+    return wire.ServerInfo.from_dict(fields)
+
+
+def info_to_record(info: wire.ServerInfo) -> ServerRecord:
+    """A received ServerInfo as a routing record; ValueError if it does not make sense."""
+    return ServerRecord.from_dict(info.to_dict())

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import blocks
-from peerd.localswarm import LocalSwarm
+from peerd.devtools.localswarm import LocalSwarm
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Admission control of a block server (peerd.admission): the FIFO wait for cache, its typed
+"""Admission control of a block server (peerd.server.admission): the FIFO wait for cache, its typed
 timeout, and the per-peer limits on sessions and bytes in flight (pure trio), then the same
 against a real daemon over libp2p."""
 
@@ -15,10 +15,10 @@ from libp2p.peer.id import ID
 
 import wire
 from blocks import MemoryCache, SpanSession
-from peerd.admission import Admission, Refused
-from peerd.localswarm import LocalSwarm
-from peerd.p2p import INFERENCE_PROTOCOL, INFO_PROTOCOL, Node, open_node, parse_peer_maddr
-from peerd.streams import MessageStream
+from peerd.devtools.localswarm import LocalSwarm
+from peerd.node.p2p import INFERENCE_PROTOCOL, INFO_PROTOCOL, Node, open_node, parse_peer_maddr
+from peerd.node.streams import MessageStream
+from peerd.server.admission import Admission, Refused
 
 
 def _admission(**limits: int) -> Admission:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import wire
-from peerd.client import Client, DaemonNotRunning, PeerdError
-from peerd.localswarm import LocalSwarm
+from peerd.devtools.localswarm import LocalSwarm
+from peerd.sdk.client import Client, DaemonNotRunning, PeerdError
 from tests.conftest import greedy_continuation
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]

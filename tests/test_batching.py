@@ -1,4 +1,5 @@
-"""peerd.batching on a tiny random llama span: concurrent steps merge into one forward with the
+"""peerd.server.batching on a tiny random llama span: concurrent steps merge into one forward with
+the
 results each step gives alone; turns are fair between clients; one bad step fails alone."""
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import torch
 import trio
 
 import blocks
-from peerd.batching import GATHER_MIN_S, MERGE_MAX_TOKENS, StepBatcher
-from peerd.compute import ComputeQueue
-from peerd.leech import open_leech
-from peerd.localswarm import LocalSwarm
+from peerd.devtools.localswarm import LocalSwarm
+from peerd.server.batching import GATHER_MIN_S, MERGE_MAX_TOKENS, StepBatcher
+from peerd.server.compute import ComputeQueue
+from peerd.session.leech import open_leech
 from tests.conftest import greedy_continuation
 from tests.test_blocks import _save_tiny
 from tests.test_operations import _metrics_port, _scrape

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from peerd.compute import PRIORITY_INFERENCE, PRIORITY_TRAINING, ComputeQueue
-from peerd.daemon import DaemonError, parse_blocks
-from peerd.identity import IdentityError, load_or_create_identity, peer_id_of
-from peerd.p2p import BadMultiaddr, parse_peer_maddr
-from peerd.swarm import block_key
+from peerd.daemon.main import DaemonError, parse_blocks
+from peerd.node.identity import IdentityError, load_or_create_identity, peer_id_of
+from peerd.node.p2p import BadMultiaddr, parse_peer_maddr
+from peerd.server.compute import PRIORITY_INFERENCE, PRIORITY_TRAINING, ComputeQueue
+from peerd.session.swarm import block_key
 
 
 def test_identity_persists_with_private_mode(tmp_path: Path) -> None:

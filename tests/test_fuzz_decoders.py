@@ -28,8 +28,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import wire
-from peerd.api import ApiError, LocalApi
-from peerd.server import info_to_record
+from peerd.daemon.local_api import ApiError, LocalApi
+from routing.records import info_to_record
 from tests.test_wire_fuzz import BYTE_MUTATIONS, CORPUS
 from wire import ProtocolError, decode_message, encode_message, message_types
 from wire.packing import packb

@@ -29,11 +29,11 @@ from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as ws_connect
 from websockets.typing import Origin
 
-from peerd.client import Client
+from peerd.devtools.localswarm import LocalSwarm
 from peerd.gateway import create_app
 from peerd.gateway.app import uvicorn_config
 from peerd.gateway.bodies import MAX_BODY_BYTES
-from peerd.localswarm import LocalSwarm
+from peerd.sdk.client import Client
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

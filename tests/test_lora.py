@@ -177,7 +177,7 @@ def test_adapters_outside_the_blocks_or_for_another_model_are_refused(
 
 
 def test_daemon_refuses_a_bad_adapter_at_start(tiny: Path, tmp_path: Path) -> None:
-    from peerd.daemon import Daemon, DaemonConfig, DaemonError
+    from peerd.daemon.main import Daemon, DaemonConfig, DaemonError
 
     _, adapter = save_adapter(fresh_base(tiny), tmp_path / "dora", target_modules=["q_proj"])
     _edit_config(adapter, use_dora=True)
@@ -197,8 +197,8 @@ def test_daemon_refuses_a_bad_adapter_at_start(tiny: Path, tmp_path: Path) -> No
 
 
 async def test_a_server_without_the_adapter_refuses_the_session(tiny: Path, tmp_path: Path) -> None:
-    from peerd.compute import ComputeQueue
-    from peerd.server import AdapterMissing, BlockServer
+    from peerd.server.block_server import AdapterMissing, BlockServer
+    from peerd.server.compute import ComputeQueue
 
     _, adapter = save_adapter(fresh_base(tiny), tmp_path / "shout", target_modules=["q_proj"])
     server = BlockServer(

@@ -18,11 +18,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 import blocks
 import wire
-from peerd.client import Client, PeerdError
-from peerd.leech import open_leech
-from peerd.localswarm import ROOT, LocalSwarm
-from peerd.p2p import INFERENCE_PROTOCOL
-from peerd.streams import MessageStream
+from peerd.devtools.localswarm import ROOT, LocalSwarm
+from peerd.node.p2p import INFERENCE_PROTOCOL
+from peerd.node.streams import MessageStream
+from peerd.sdk.client import Client, PeerdError
+from peerd.session.leech import open_leech
 
 peft = pytest.importorskip("peft")
 
@@ -124,7 +124,7 @@ def test_greedy_output_through_the_swarm_equals_local_peft(
     assert adapted.token_ids != plain.token_ids, "the adapter must change the greedy output"
 
     # The transformers-compatible model, with the adapter chosen at from_pretrained.
-    from peerd.model import AutoDistributedModelForCausalLM
+    from peerd.sdk.model import AutoDistributedModelForCausalLM
 
     model = AutoDistributedModelForCausalLM.from_pretrained(
         made["checkpoint"], swarm.daemons[2].socket, active_adapter=ADAPTER
@@ -196,7 +196,7 @@ def test_an_unknown_adapter_is_a_clear_error_and_the_daemon_goes_on(swarm: Local
 
 
 def test_status_lists_adapters_and_the_cli_passes_adapter_on(swarm: LocalSwarm) -> None:
-    from peerd.terminal import format_status
+    from peerd.sdk.terminal import format_status
 
     socket = str(swarm.daemons[2].socket)
     with Client(socket) as client:

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import blocks
-from peerd.client import BadRouteOptions, DaemonNotRunning
-from peerd.localswarm import LocalSwarm
-from peerd.model import (
+from peerd.devtools.localswarm import LocalSwarm
+from peerd.sdk.client import BadRouteOptions, DaemonNotRunning
+from peerd.sdk.model import (
     AutoDistributedModelForCausalLM,
     DistributedModelForCausalLM,
     ModelMismatch,

@@ -1,4 +1,5 @@
-"""peerd across real NATs (peerd.netns): two public daemons (relays, no blocks), a server behind a
+"""peerd across real NATs (peerd.devtools.netns): two public daemons (relays, no blocks), a server
+behind a
 cone NAT, and two clients, one behind a cone NAT and one behind a symmetric NAT. The server is
 reachable only through the relays at first; both clients generate through it; DCUtR turns the
 cone-cone pair direct and leaves the symmetric one relayed; killing the relay the symmetric
@@ -17,10 +18,10 @@ from typing import Any
 import pytest
 
 import wire
-from peerd import netns
-from peerd.client import Client, PeerdError
-from peerd.localswarm import DaemonProcess, LocalSwarm
-from peerd.netns import Nat
+from peerd.devtools import netns
+from peerd.devtools.localswarm import DaemonProcess, LocalSwarm
+from peerd.devtools.netns import Nat
+from peerd.sdk.client import Client, PeerdError
 from tests.conftest import greedy_continuation
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.multiprocess]

@@ -1,4 +1,5 @@
-"""The netns topology (peerd.netns) behaves like the internet it stands for: home hosts reach
+"""The netns topology (peerd.devtools.netns) behaves like the internet it stands for: home hosts
+reach
 public hosts through their NAT routers, nothing reaches into a home unasked, and teardown
 leaves no namespace behind (nor any left by a run that died)."""
 
@@ -12,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from peerd import netns
-from peerd.netns import Host, Nat, Topology
+from peerd.devtools import netns
+from peerd.devtools.netns import Host, Nat, Topology
 
 
 def _unavailable() -> str | None:
@@ -161,7 +162,7 @@ def test_shaped_links_delay_each_direction(topo: Topology) -> None:
 
 @pytest.mark.parametrize("ids", [[7], [1, 2, 3]])
 def test_delayer_reads_packet_ids_from_nfnetlink_messages(ids: list[int]) -> None:
-    from peerd import netem
+    from peerd.devtools import netem
 
     def queued(packet_id: int) -> bytes:
         # packet id, hardware protocol (IPv4), netfilter hook
@@ -173,7 +174,7 @@ def test_delayer_reads_packet_ids_from_nfnetlink_messages(ids: list[int]) -> Non
 
 
 def test_delayer_raises_the_kernels_refusal() -> None:
-    from peerd import netem
+    from peerd.devtools import netem
 
     header = struct.pack("=IHHII", 36, netem.NLMSG_ERROR, 0, 1, 0)
     error = header + struct.pack("=i", -1) + bytes(16)
@@ -181,12 +182,12 @@ def test_delayer_raises_the_kernels_refusal() -> None:
         netem._packet_ids(error)
 
 
-# A libp2p node (peerd.p2p.open_node) that joins `peer` if given, then prints what AutoNAT
+# A libp2p node (peerd.node.p2p.open_node) that joins `peer` if given, then prints what AutoNAT
 # answers about it, as long as it gets a verdict within the deadline.
 _AUTONAT_NODE = """
 import sys, trio
 from libp2p.crypto.ed25519 import create_new_key_pair
-from peerd.p2p import open_node, parse_peer_maddr
+from peerd.node.p2p import open_node, parse_peer_maddr
 
 async def main(ip, peer):
     # Every interface, as volunteers run it: peers dial back at the IP they see us at.

@@ -21,12 +21,9 @@ import trio
 from typer.testing import CliRunner
 
 from blocks.checkpoint import user_cache_dir
-from peerd.daemon import DRAIN_DEADLINE_S
-from peerd.inference import InferenceSession
-from peerd.leech import open_leech
-from peerd.localswarm import LocalSwarm
-from peerd.metrics import Metric, TokenRate, render, serve_metrics
-from peerd.service import (
+from peerd.daemon.main import DRAIN_DEADLINE_S
+from peerd.daemon.metrics import Metric, TokenRate, render, serve_metrics
+from peerd.daemon.service import (
     ServiceError,
     ServiceSpec,
     exec_start,
@@ -35,6 +32,9 @@ from peerd.service import (
     stop_timeout,
     unit_text,
 )
+from peerd.devtools.localswarm import LocalSwarm
+from peerd.session.inference import InferenceSession
+from peerd.session.leech import open_leech
 from tests.conftest import greedy_continuation
 
 PROMPT = "Once upon a time, there was a little"
@@ -236,7 +236,7 @@ def test_status_table_shows_coverage_and_servers() -> None:
 
     from rich.console import Console
 
-    from peerd.terminal import status_table
+    from peerd.sdk.terminal import status_table
 
     out = io.StringIO()
     Console(file=out, width=120).print(status_table(_status(("online", "online", "online"))))
@@ -251,8 +251,8 @@ def test_status_table_shows_coverage_and_servers() -> None:
 def test_status_watch_refreshes_and_survives_a_missing_daemon() -> None:
     import io
 
-    from peerd.client import DaemonNotRunning
-    from peerd.terminal import watch_status
+    from peerd.sdk.client import DaemonNotRunning
+    from peerd.sdk.terminal import watch_status
 
     frames = [_status(("online",) * 3), _status(("online", "joining", "online"))]
     replies = iter(frames)
@@ -289,14 +289,14 @@ def test_status_watch_refreshes_and_survives_a_missing_daemon() -> None:
 _LOG_PROBE = """
 import logging, sys
 import libp2p.network.auto_connector  # sets its own logger to INFO
-from peerd.daemon import configure_logging
+from peerd.daemon.main import configure_logging
 for level in ("info", "debug"):
     configure_logging(level)
     print("== " + level, file=sys.stderr, flush=True)
     logging.getLogger("libp2p.host.basic_host").error("Failed to open stream to X:\\n  Error: y")
     logging.getLogger("libp2p.network.auto_connector").info("AUTO_CONNECTOR_STATE")
-    logging.getLogger("peerd.swarm").info("servers left the swarm view: X")
-    logging.getLogger("peerd.swarm").debug("info from X failed")
+    logging.getLogger("peerd.session.swarm").info("servers left the swarm view: X")
+    logging.getLogger("peerd.session.swarm").debug("info from X failed")
 """
 
 
@@ -346,7 +346,7 @@ def _tracebacks(log: Path) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_metrics_move_during_a_generation() -> None:
-    from peerd.client import Client
+    from peerd.sdk.client import Client
 
     swarm = LocalSwarm()
     try:
@@ -510,8 +510,8 @@ async def test_sigterm_to_the_unit_moves_the_generation_to_the_other_server(
 def test_mdns_daemons_find_each_other_and_other_swarms_stay_apart(tmp_path: Path) -> None:
     """Two daemons of swarm `lab` with --mdns and no initial peers serve a generation together;
     a daemon of swarm `other` on the same LAN, serving the same blocks faster, is never used."""
-    from peerd.client import Client
-    from peerd.localswarm import DaemonProcess
+    from peerd.devtools.localswarm import DaemonProcess
+    from peerd.sdk.client import Client
 
     tag = os.urandom(4).hex()  # other test runs on this LAN must not share our swarm names
 

@@ -14,8 +14,8 @@ import torch
 from typer.testing import CliRunner
 
 import cli
-from peerd.client import BadRouteOptions, Client, PeerdError
-from peerd.localswarm import DaemonProcess, LocalSwarm
+from peerd.devtools.localswarm import DaemonProcess, LocalSwarm
+from peerd.sdk.client import BadRouteOptions, Client, PeerdError
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

@@ -13,12 +13,12 @@ import trio
 from libp2p.peer.id import ID
 
 import wire
-from peerd.inference import InferenceSession
-from peerd.leech import open_leech
-from peerd.localswarm import LocalSwarm
-from peerd.p2p import INFERENCE_PROTOCOL, PUSH_PROTOCOL
-from peerd.server import MAX_PUSHED_QUEUED
-from peerd.streams import MessageStream
+from peerd.devtools.localswarm import LocalSwarm
+from peerd.node.p2p import INFERENCE_PROTOCOL, PUSH_PROTOCOL
+from peerd.node.streams import MessageStream
+from peerd.server.block_server import MAX_PUSHED_QUEUED
+from peerd.session.inference import InferenceSession
+from peerd.session.leech import open_leech
 from tests.conftest import greedy_continuation, three_servers_of_ten
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]

@@ -16,12 +16,11 @@ import pytest
 import uvicorn
 
 import wire
+from peerd.devtools.localswarm import LocalSwarm
 from peerd.gateway import create_app
 from peerd.gateway.app import uvicorn_config
 from peerd.gateway.monitor import swarm_report
-from peerd.localswarm import LocalSwarm
-from peerd.server import info_to_record
-from routing.records import SwarmSnapshot
+from routing.records import SwarmSnapshot, info_to_record
 from tests.test_gateway import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS, wait_until
 
 

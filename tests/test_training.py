@@ -17,12 +17,17 @@ from transformers import AutoModelForCausalLM
 
 import blocks
 import wire
-from peerd.client import Client, PeerdError
-from peerd.compute import PRIORITY_INFERENCE, ComputeQueue
-from peerd.localswarm import LocalSwarm
-from peerd.model import AutoDistributedModelForCausalLM, UnsupportedGeneration
-from peerd.server import BlockServer, ServerLimits, _training_backward, _training_forward
-from peerd.training import micro_batches
+from peerd.devtools.localswarm import LocalSwarm
+from peerd.sdk.client import Client, PeerdError
+from peerd.sdk.model import AutoDistributedModelForCausalLM, UnsupportedGeneration
+from peerd.server.block_server import (
+    BlockServer,
+    ServerLimits,
+    _training_backward,
+    _training_forward,
+)
+from peerd.server.compute import PRIORITY_INFERENCE, ComputeQueue
+from peerd.session.training import micro_batches
 from tests.test_blocks import VOCAB, _save_tiny
 
 PREFIX = 3
@@ -370,7 +375,7 @@ def tuned_default(swarm: LocalSwarm) -> Iterator[Any]:
 def test_default_model_prompt_gradients_match_local_autograd(
     swarm: LocalSwarm, local_model: Any, tuned_default: Any
 ) -> None:
-    from peerd.examples_ptune import encode, make_task
+    from examples.ptune import encode, make_task
 
     ids, labels = encode(tuned_default.tokenizer, make_task(4, seed=5))
     check_prompt_parity(tuned_default, local_model, ids, labels, seed=6)
@@ -379,7 +384,7 @@ def test_default_model_prompt_gradients_match_local_autograd(
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_thirty_steps_of_deep_prompt_tuning_halve_the_loss(tuned_default: Any) -> None:
-    from peerd.examples_ptune import train
+    from examples.ptune import train
 
     with torch.no_grad():  # a fresh start, whatever the parity test left in the prompts
         tuned_default.prompt_embeddings.normal_(0, 0.02)

@@ -19,9 +19,9 @@ from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTr
 from libp2p.security.secio import transport as secio
 
 import wire
-from peerd.localswarm import LocalSwarm
-from peerd.p2p import INFO_PROTOCOL, make_host, parse_peer_maddr
-from peerd.streams import MessageStream
+from peerd.devtools.localswarm import LocalSwarm
+from peerd.node.p2p import INFO_PROTOCOL, make_host, parse_peer_maddr
+from peerd.node.streams import MessageStream
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

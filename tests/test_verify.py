@@ -1,4 +1,5 @@
-"""Spot checks of servers' results (peerd.verify): the tolerance tells honest codec and fp32 noise
+"""Spot checks of servers' results (peerd.session.verify): the tolerance tells honest codec and
+fp32 noise
 from corruption, and a real server started with the test-only PEERD_TEST_CORRUPT flag is caught,
 banned and routed around while the generation's text stays the honest one."""
 
@@ -12,11 +13,11 @@ import pytest
 import torch
 
 import wire
-from peerd.inference import InferenceSession
-from peerd.leech import open_leech
-from peerd.localswarm import LocalSwarm
-from peerd.server import TEST_CORRUPT_ENV, _corrupted
-from peerd.verify import excess
+from peerd.devtools.localswarm import LocalSwarm
+from peerd.server.block_server import TEST_CORRUPT_ENV, _corrupted
+from peerd.session.inference import InferenceSession
+from peerd.session.leech import open_leech
+from peerd.session.verify import excess
 from tests.conftest import greedy_continuation
 
 PROMPT = "Once upon a time, there was a little"
@@ -64,7 +65,7 @@ async def test_a_corrupting_server_is_caught_and_the_text_stays_honest(
         liar = swarm.start(
             "liar", "0:10", "--throughput", "1000", env={TEST_CORRUPT_ENV: "1.0"}
         )
-        caplog.set_level(logging.WARNING, logger="peerd.verify")
+        caplog.set_level(logging.WARNING, logger="peerd.session.verify")
         async with open_leech(
             "default", swarm.initial_peers, refresh_period=2.0, verify_fraction=0.1
         ) as leech:

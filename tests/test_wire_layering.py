@@ -12,6 +12,7 @@ ALLOWED = {
     "__future__",
     "collections",
     "dataclasses",
+    "enum",
     "functools",
     "math",
     "struct",

@@ -9,6 +9,7 @@ may be answered with Error.
 
 from __future__ import annotations
 
+import enum
 from typing import Literal
 
 import torch
@@ -56,6 +57,11 @@ MAX_SESSION_TOKENS = 1 << 20
 
 MAX_BATCH_SIZE = 1024
 """Sequences in one session batch."""
+
+DEFAULT_SESSIONS_PER_PEER = 64
+"""Sessions a server takes from one peer by default. A daemon opens one session per local client
+on every hop, so one peer may carry many users (a gateway, a shared daemon); a gateway sizes its
+slots to it."""
 
 MAX_ERROR_MESSAGE_LEN = 4096
 """An error's text: one or two sentences, or a short traceback summary."""
@@ -266,8 +272,10 @@ class BackwardResult(Message):
     """Gradient of the Backward's prompts (same shape), when it had prompts."""
 
 
-class ErrorCode:
-    """Well-known Error.code values (any short snake_case string is allowed on the wire)."""
+class ErrorCode(enum.StrEnum):
+    """Every Error.code peerd sends, to peers and to local programs; compare and send these, never
+    a string literal. (The wire allows any short snake_case string, so an older or newer peer's
+    code still decodes.)"""
 
     BAD_REQUEST = "bad_request"  # the request broke the protocol or made no sense
     UNSUPPORTED = "unsupported"  # valid but this server does not do it (e.g. other model)
@@ -281,6 +289,12 @@ class ErrorCode:
     CANCELLED = "cancelled"
     INTERNAL = "internal"  # a bug on the answering side
     ADAPTER_NOT_FOUND = "adapter_not_found"  # no server (or not this one) has the adapter named
+    # Local API (daemon <-> its programs) and the client library.
+    NO_ROUTE = "no_route"  # no chain of servers covers the model's blocks now
+    INFERENCE_FAILED = "inference_failed"  # every route tried for a step failed
+    CONNECTION_CLOSED = "connection_closed"  # the other side hung up mid-conversation
+    BAD_REPLY = "bad_reply"  # the other side answered out of turn or with the wrong message
+    NO_DAEMON = "no_daemon"  # no daemon listens on the socket
 
 
 @message("error")

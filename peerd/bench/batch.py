@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import trio
 
-from peerd.inference import InferenceSession
-from peerd.leech import Leech, open_leech
-from peerd.localswarm import LocalSwarm
+from peerd.devtools.localswarm import LocalSwarm
+from peerd.session.inference import InferenceSession
+from peerd.session.leech import Leech, open_leech
 
 SPANS = ("0:10", "10:20", "20:30")
 PROMPTS = (

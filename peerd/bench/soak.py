@@ -27,8 +27,8 @@ import psutil
 import trio
 
 import wire
-from peerd.client import AsyncClient, PeerdError
-from peerd.localswarm import DaemonProcess, LocalSwarm
+from peerd.devtools.localswarm import DaemonProcess, LocalSwarm
+from peerd.sdk.client import AsyncClient, PeerdError
 
 PROMPTS = (
     "Once upon a time, there was a little",

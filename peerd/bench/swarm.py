@@ -16,9 +16,9 @@ import torch
 import trio
 
 import blocks
-from peerd.inference import InferenceSession
-from peerd.leech import Leech, open_leech
-from peerd.localswarm import LocalSwarm
+from peerd.devtools.localswarm import LocalSwarm
+from peerd.session.inference import InferenceSession
+from peerd.session.leech import Leech, open_leech
 
 PROMPT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, "

@@ -1,4 +1,5 @@
-"""`peerd bench wan`: generation over an emulated wide-area network (peerd.netns): three servers
+"""`peerd bench wan`: generation over an emulated wide-area network (peerd.devtools.netns): three
+servers
 (blocks 0:10, 10:20, 20:30) and a client, each on its own host whose link adds 25 ms one way
 and carries at most 100 Mbit/s. The per-token latency is compared with its floor, measured in
 the same run: the network delay along the route plus the compute of every span and of the
@@ -37,8 +38,8 @@ def one_way_delays(push: bool, hops: int) -> int:
 
 def run_wan_bench(new_tokens: int = 16, runs: int = 2) -> dict[str, Any]:
     """Build the topology, start the servers, run the measurement in the client's namespace."""
-    from peerd import netns
-    from peerd.localswarm import LocalSwarm
+    from peerd.devtools import netns
+    from peerd.devtools.localswarm import LocalSwarm
 
     with netns.topology() as topo:
         hosts = [topo.add_public(f"s{i + 1}") for i in range(len(SPANS))]
@@ -100,7 +101,7 @@ def _inner(initial_peer: str, listen: str, new_tokens: int, runs: int) -> dict[s
     import trio
 
     from peerd.bench.swarm import PROMPT, _swarm_run
-    from peerd.leech import open_leech
+    from peerd.session.leech import open_leech
 
     torch.set_num_threads(1)  # the client's part, timed for the floor with one thread too
 

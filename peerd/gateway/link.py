@@ -1,5 +1,6 @@
 """The gateway's hold on the local daemon: what model it runs (name, tokenizer, context length),
-connections to it through peerd.client.AsyncClient, and one generation as a stream of text pieces.
+connections to it through peerd.sdk.client.AsyncClient, and one generation as a stream of text
+pieces.
 
 Every API of the gateway is a translation onto `DaemonLink.generate`; errors become
 `GatewayError`, which each API renders in its own shape.
@@ -17,13 +18,12 @@ from typing import Any, cast
 import anyio
 
 import wire
-from peerd.client import AsyncClient, GenerateOptions, PeerdError
-from peerd.server import ServerLimits, info_to_record
+from peerd.sdk.client import AsyncClient, GenerateOptions, PeerdError
 from routing.planner import NoRouteError
-from routing.records import SwarmSnapshot, contiguous_ranges
-from wire.peer_protocol import MAX_SESSION_TOKENS
+from routing.records import SwarmSnapshot, contiguous_ranges, info_to_record
+from wire.peer_protocol import DEFAULT_SESSIONS_PER_PEER, MAX_SESSION_TOKENS
 
-SESSION_SLOTS = ServerLimits().max_sessions_per_peer
+SESSION_SLOTS = DEFAULT_SESSIONS_PER_PEER
 """Generations and v2 sessions in flight at once. Each holds an inference session on every server
 of its route, all opened by our one daemon, and a server takes at most this many sessions from one
 peer: one more is refused, and the refusal makes the daemon ban that server for a while (for all

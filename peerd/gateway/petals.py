@@ -22,7 +22,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from peerd.client import AsyncClient, PeerdError
 from peerd.gateway.bodies import (
     MAX_BODY_BYTES,
     parse_json_object,
@@ -41,6 +40,7 @@ from peerd.gateway.link import (
     daemon_error,
     run_generation,
 )
+from peerd.sdk.client import AsyncClient, PeerdError
 from wire.local_api import (
     MAX_NEW_TOKENS,
     MAX_PROMPT_CHARS,

@@ -215,7 +215,8 @@ class Topology:
         """WAN emulation on the host's link: every packet it receives waits `delay_ms` (+-
         jitter) and the link carries at most `rate_mbit` (netem: on the way in; tbf: on the way
         out), so each direction of a link between two shaped hosts costs one delay. Uses `tc
-        netem` where the kernel has it; otherwise a `tbf` qdisc for the rate and peerd.netem (an
+        netem` where the kernel has it; otherwise a `tbf` qdisc for the rate and
+        peerd.devtools.netem (an
         NFQUEUE delayer) for the delay. Returns which of the two ("netem" or "nfqueue").
 
         The delay is on the way in, after the veth: as on a real path, the packets wait in the
@@ -238,7 +239,7 @@ class Topology:
         self._in(host.netns, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
                  "rate", f"{rate_mbit}mbit", "burst", "64kb", "latency", "400ms")  # fmt: skip
         delayer = subprocess.Popen(
-            [*host.exec_args(), sys.executable, "-m", "peerd.netem", "--queue", "0",
+            [*host.exec_args(), sys.executable, "-m", "peerd.devtools.netem", "--queue", "0",
              "--delay-ms", str(delay_ms), "--jitter-ms", str(jitter_ms)],
             stdout=subprocess.PIPE, text=True, cwd=_ROOT,
         )  # fmt: skip

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from blocks import ClientSide
-from peerd.compute import Coalescer
-from peerd.inference import InferenceSession
-from peerd.swarm import SwarmView
+from peerd.session.coalesce import Coalescer
+from peerd.session.inference import InferenceSession
+from peerd.session.swarm import SwarmView
 
 
 @dataclass(frozen=True)

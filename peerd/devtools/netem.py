@@ -2,10 +2,11 @@
 packet a host sends to an NFQUEUE, and this process gives the kernel its ACCEPT verdict only
 after the delay (plus jitter; packets keep their order). The packets themselves stay in the
 kernel; we read only their ids (copy mode META). Bandwidth is limited by a `tbf` qdisc beside
-it (peerd.netns.Topology.shape). Speaks nfnetlink_queue directly over a netlink socket, so it
+it (peerd.devtools.netns.Topology.shape). Speaks nfnetlink_queue directly over a netlink socket, so
+it
 needs nothing beyond the standard library.
 
-Run inside a namespace: `ip netns exec NS python -m peerd.netem --queue 0 --delay-ms 25`.
+Run inside a namespace: `ip netns exec NS python -m peerd.devtools.netem --queue 0 --delay-ms 25`.
 """
 
 from __future__ import annotations

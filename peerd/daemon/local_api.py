@@ -3,7 +3,8 @@
 One connection is one client. It says Hello, then sends requests one at a time: Generate
 (answered by a GeneratedToken per token, then GenerateDone; Cancel stops it), OpenInference /
 InferenceStep / CloseInference (hidden states through every block, for the transformers-compatible
-model), TrainingForward / TrainingBackward (cache-less passes for fine-tuning, peerd.training),
+model), TrainingForward / TrainingBackward (cache-less passes for fine-tuning,
+peerd.session.training),
 and StatusRequest. Sessions a connection opens die with it. A malformed request gets an
 Error reply and, when the framing itself is broken, the connection is closed; the daemon and its
 other clients go on. The spec is docs/api.md.
@@ -27,11 +28,11 @@ import trio
 
 import wire
 from peerd import __version__
-from peerd.generation import Generator, SamplingParams, encode_prompt, left_pad
-from peerd.inference import AdapterUnavailable, InferenceFailed, InferenceSession
-from peerd.server import record_to_info
-from peerd.training import Trainer
+from peerd.session.generation import Generator, SamplingParams, encode_prompt, left_pad
+from peerd.session.inference import AdapterUnavailable, InferenceFailed, InferenceSession
+from peerd.session.training import Trainer
 from routing.planner import NoRouteError, route_hops
+from routing.records import record_to_info
 
 log = logging.getLogger(__name__)
 

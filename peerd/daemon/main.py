@@ -18,11 +18,9 @@ import trio
 import blocks
 import wire
 from peerd import __version__
-from peerd.api import LocalApi, build_status
-from peerd.compute import ComputeQueue
-from peerd.generation import Generator
-from peerd.identity import load_or_create_identity
-from peerd.p2p import (
+from peerd.daemon.local_api import LocalApi, build_status
+from peerd.node.identity import load_or_create_identity
+from peerd.node.p2p import (
     INFERENCE_PROTOCOL,
     INFO_PROTOCOL,
     PUSH_PROTOCOL,
@@ -35,8 +33,10 @@ from peerd.p2p import (
     set_provider_record_ttl,
 )
 from peerd.paths import default_socket_path, state_dir
-from peerd.server import BlockServer, ServerLimits
-from peerd.swarm import SwarmView
+from peerd.server.block_server import BlockServer, ServerLimits
+from peerd.server.compute import ComputeQueue
+from peerd.session.generation import Generator
+from peerd.session.swarm import SwarmView
 from routing.block_selection import better_span, blocks_that_fit, choose_blocks, recheck_delay
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,8 @@ class DaemonConfig:
     adapters: list[Path] = field(default_factory=list)  # PEFT LoRA directories to serve
     reachability: str = "auto"  # auto (AutoNAT), public or private (behind NAT: use relays)
     limits: ServerLimits = field(default_factory=ServerLimits)
-    verify_fraction: float = 0.0  # spot-check this fraction of our sessions' steps (peerd.verify)
+    # spot-check this fraction of our sessions' steps (peerd.session.verify)
+    verify_fraction: float = 0.0
     batching: bool = True  # merge concurrent steps of different sessions into one forward
 
     def listen_addrs(self) -> list[str]:
@@ -200,7 +201,7 @@ class Daemon:
                 nursery.start_soon(self._handle_signals, nursery.cancel_scope)
 
     async def _serve_metrics(self, nursery: trio.Nursery, port: int) -> None:
-        from peerd.metrics import TokenRate, daemon_metrics, sample_tokens, serve_metrics
+        from peerd.daemon.metrics import TokenRate, daemon_metrics, sample_tokens, serve_metrics
 
         rate = TokenRate()
         nursery.start_soon(sample_tokens, self, rate)

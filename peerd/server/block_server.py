@@ -23,12 +23,13 @@ from libp2p.peer.id import ID
 import wire
 from blocks import MemoryCache, Span, SpanSession
 from peerd import __version__
-from peerd.admission import Admission, Refused
-from peerd.batching import StepBatcher
-from peerd.compute import PRIORITY_TRAINING, ComputeQueue
-from peerd.p2p import PUSH_PROTOCOL, Node
-from peerd.streams import Idle, MessageStream, PeerGone
-from routing.records import ServerRecord, ServerState
+from peerd.node.p2p import PUSH_PROTOCOL, Node
+from peerd.node.streams import Idle, MessageStream, PeerGone
+from peerd.server.admission import Admission, Refused
+from peerd.server.batching import StepBatcher
+from peerd.server.compute import PRIORITY_TRAINING, ComputeQueue
+from routing.records import ServerRecord, ServerState, record_to_info
+from wire.peer_protocol import DEFAULT_SESSIONS_PER_PEER
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ OPEN_TIMEOUT_S = 10.0
 # A push that does not go through in this long is abandoned: the client relays instead.
 PUSH_TIMEOUT_S = 5.0
 # TESTS ONLY: a server started with PEERD_TEST_CORRUPT=F adds noise to a fraction F of its
-# step outputs, so tests can check that clients catch a lying server (peerd.verify). Nothing
+# step outputs, so tests can check that clients catch a lying server (peerd.session.verify). Nothing
 # else sets it; docs/operations.md says never to.
 TEST_CORRUPT_ENV = "PEERD_TEST_CORRUPT"
 # Pushed steps one session may have waiting here. A client sends a session's next step only once
@@ -59,9 +60,7 @@ class ServerLimits:
     max_frame_size: int = wire.DEFAULT_MAX_FRAME_SIZE
     max_batch_size: int = 8
     max_session_length: int = 8192
-    # A daemon opens one session per local client on every hop, so one peer may carry many
-    # users (a gateway, a shared daemon).
-    max_sessions_per_peer: int = 64
+    max_sessions_per_peer: int = DEFAULT_SESSIONS_PER_PEER
     # Activations of a cache-less pass grow with batch x tokens; autograd keeps them all for the
     # backward. 8192 x 576 fp32 x ~20 saved tensors per block stays within a few GiB per span.
     max_training_tokens: int = 8192
@@ -81,18 +80,6 @@ class ServerCounters:
 
     def error(self, code: str) -> None:
         self.errors[code] = self.errors.get(code, 0) + 1
-
-
-def record_to_info(record: ServerRecord) -> wire.ServerInfo:
-    """Our record as the wire's ServerInfo (expiry is the receiver's business: clocks differ)."""
-    fields = record.to_dict()
-    del fields["updated_at"], fields["expires_at"]
-    return wire.ServerInfo.from_dict(fields)
-
-
-def info_to_record(info: wire.ServerInfo) -> ServerRecord:
-    """A received ServerInfo as a routing record; ValueError if it does not make sense."""
-    return ServerRecord.from_dict(info.to_dict())
 
 
 @dataclass

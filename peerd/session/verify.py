@@ -29,8 +29,8 @@ from typing import Protocol
 import torch
 
 import wire
-from peerd.streams import PeerGone
-from peerd.swarm import SwarmView
+from peerd.node.streams import PeerGone
+from peerd.session.swarm import SwarmView
 from routing.planner import RouteHop
 from routing.records import ROUTABLE_STATES, ServerRecord
 from wire.peer_protocol import CompressionName

@@ -1,7 +1,7 @@
 """Client side of distributed training: cache-less forward and backward passes through a route.
 
 The daemon runs these for its local clients (TrainingForward / TrainingBackward on the local API,
-which `peerd.model` wraps in a `torch.autograd.Function`). A forward pass goes hop by hop on a
+which `peerd.sdk.model` wraps in a `torch.autograd.Function`). A forward pass goes hop by hop on a
 training route and keeps each hop's input; the backward pass goes back through the same hops,
 each server recomputing its span's forward with autograd and returning the gradient of its input
 (and of its deep prompts). Servers keep nothing between the two and their weights never change.
@@ -25,10 +25,10 @@ import trio
 from libp2p.peer.id import ID
 
 import wire
-from peerd.inference import MAX_HOP_FAILURES, OPEN_TIMEOUT_S, ROUTE_WAIT_S, InferenceFailed
-from peerd.p2p import TRAINING_PROTOCOL
-from peerd.streams import MessageStream, PeerGone
-from peerd.swarm import SwarmView
+from peerd.node.p2p import TRAINING_PROTOCOL
+from peerd.node.streams import MessageStream, PeerGone
+from peerd.session.inference import MAX_HOP_FAILURES, OPEN_TIMEOUT_S, ROUTE_WAIT_S, InferenceFailed
+from peerd.session.swarm import SwarmView
 from routing.planner import NoRouteError, RouteHop, format_route, route_hops
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,8 @@
 
 `unit_text` is a pure function of a `ServiceSpec`, so the unit is unit-tested and checked with
 `systemd-analyze verify` without touching /etc. The unit restarts a crashed daemon with backoff,
-stops it with SIGTERM (the daemon drains its sessions first, peerd/daemon.py), logs to the journal,
+stops it with SIGTERM (the daemon drains its sessions first, peerd/daemon/main.py), logs to the
+journal,
 and keeps identity, model cache and socket in the directories systemd creates for the service
 (StateDirectory, CacheDirectory, RuntimeDirectory), named to peerd by PEERD_STATE_DIR,
 PEERD_CACHE_DIR and PEERD_RUNTIME_DIR.
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 NAME = "peerd"
-# The daemon drains for up to --drain-timeout (30 s by default, peerd/daemon.py
+# The daemon drains for up to --drain-timeout (30 s by default, peerd/daemon/main.py
 # DRAIN_DEADLINE_S) on SIGTERM, then gives the rest 5 s to close; systemd must not SIGKILL it
 # before that, so TimeoutStopSec is the drain deadline plus this margin.
 DEFAULT_DRAIN_S = 30.0

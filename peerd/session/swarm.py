@@ -19,12 +19,12 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 import wire
-from peerd.p2p import INFO_PROTOCOL, Node
-from peerd.server import BlockServer, info_to_record
-from peerd.streams import MessageStream, PeerGone
+from peerd.node.p2p import INFO_PROTOCOL, Node
+from peerd.node.streams import MessageStream, PeerGone
+from peerd.session.local import LocalServer
 from routing.bans import BanList
 from routing.planner import Route, plan_route
-from routing.records import SELECTION_STATES, ServerRecord, SwarmSnapshot
+from routing.records import SELECTION_STATES, ServerRecord, SwarmSnapshot, info_to_record
 from routing.rtt import RttTracker
 
 log = logging.getLogger(__name__)
@@ -85,10 +85,10 @@ class SwarmView:
         self.last_seen: dict[str, ServerRecord] = {}
         self.unreachable: dict[str, str] = {}
         # This daemon's own block server, reached directly when a route uses it.
-        self.local_server: BlockServer | None = None
+        self.local_server: LocalServer | None = None
         self.rtts = RttTracker()
         self.bans = BanList()
-        # Fraction of steps this daemon's sessions re-run on a second server (peerd.verify).
+        # Fraction of steps this daemon's sessions re-run on a second server (peerd.session.verify).
         self.verify_fraction = 0.0
         self._refresh_lock = trio.Lock()
 
@@ -268,7 +268,8 @@ class SwarmView:
         self.bans.record_failure(peer_id, time.time())
 
     def report_lie(self, peer_id: str) -> None:
-        """A server returned wrong results (peerd.verify caught it): out of the view and banned
+        """A server returned wrong results (peerd.session.verify caught it): out of the view and
+        banned
         for a long time, whatever it answers later."""
         self.records.pop(peer_id, None)
         self.bans.ban_liar(peer_id, time.time())

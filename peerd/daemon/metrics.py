@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 if TYPE_CHECKING:
-    from peerd.daemon import Daemon
+    from peerd.daemon.main import Daemon
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from peerd.netns import Host
+from peerd.devtools.netns import Host
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -32,7 +32,7 @@ class DaemonProcess:
     span: tuple[int, int] | None = None
     output: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)  # extra environment of the daemon
-    # Command prefix that runs the daemon elsewhere, e.g. `ip netns exec NS` (peerd.netns).
+    # Command prefix that runs the daemon elsewhere, e.g. `ip netns exec NS` (peerd.devtools.netns).
     launcher: list[str] = field(default_factory=list)
 
     @property
@@ -126,7 +126,8 @@ class LocalSwarm:
         env: dict[str, str] | None = None,
         host: Host | None = None,
     ) -> DaemonProcess:
-        """Start a daemon; with `host` (peerd.netns), inside that host's network namespace."""
+        """Start a daemon; with `host` (peerd.devtools.netns), inside that host's network
+        namespace."""
         peers = self.initial_peers
         join = ["--initial-peers", peers[0]] if peers else ["--new-swarm"]
         args = [

@@ -22,11 +22,11 @@ from libp2p.peer.id import ID
 
 import wire
 from blocks import BlocksError, check_left_padding
-from peerd.p2p import INFERENCE_PROTOCOL
-from peerd.server import LocalSession
-from peerd.streams import MessageStream, PeerGone
-from peerd.swarm import SwarmView
-from peerd.verify import StepVerifier
+from peerd.node.p2p import INFERENCE_PROTOCOL
+from peerd.node.streams import MessageStream, PeerGone
+from peerd.session.local import LocalSteps
+from peerd.session.swarm import SwarmView
+from peerd.session.verify import StepVerifier
 from routing.planner import NoRouteError, RouteHop, format_route, plan_route
 from wire.peer_protocol import CompressionName
 
@@ -53,7 +53,7 @@ class HopRefused(PeerGone):
 
 
 class WrongResult(PeerGone):
-    """A server's output failed a spot check (peerd.verify): it is banned and replaced."""
+    """A server's output failed a spot check (peerd.session.verify): it is banned and replaced."""
 
 
 class InferenceFailed(Exception):
@@ -135,7 +135,7 @@ class LocalHopSession:
     """A hop served by this daemon's own block server, called directly."""
 
     hop: RouteHop
-    local: LocalSession
+    local: LocalSteps
 
     @property
     def peer_id(self) -> str:
@@ -302,7 +302,8 @@ class InferenceSession:
         return hidden
 
     async def _verify(self, output: torch.Tensor, first_position: int) -> torch.Tensor:
-        """Spot-check this step's hops (peerd.verify). A hop caught lying is replaced, and the
+        """Spot-check this step's hops (peerd.session.verify). A hop caught lying is replaced, and
+        the
         step re-runs from it on honest servers (the later hops roll their caches back to
         `first_position`), so the output returned is the honest one."""
         assert self.verifier is not None

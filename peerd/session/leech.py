@@ -11,9 +11,9 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 import blocks
-from peerd.generation import Generator
-from peerd.p2p import Node, open_node, parse_peer_maddr
-from peerd.swarm import SwarmView
+from peerd.node.p2p import Node, open_node, parse_peer_maddr
+from peerd.session.generation import Generator
+from peerd.session.swarm import SwarmView
 from routing.planner import NoRouteError, plan_route
 from routing.records import SwarmSnapshot
 
@@ -46,7 +46,8 @@ async def open_leech(
     listen: str = "/ip4/127.0.0.1/tcp/0",
 ) -> AsyncIterator[Leech]:
     """Join the swarm through `initial_peers` and wait until every block of `model` is served.
-    `verify_fraction`: spot-check that fraction of steps on a second server (peerd.verify)."""
+    `verify_fraction`: spot-check that fraction of steps on a second server
+    (peerd.session.verify)."""
     checkpoint = blocks.resolve_checkpoint(model)
     client = await trio.to_thread.run_sync(blocks.load_client_side, checkpoint)
     num_blocks = int(client.config.num_hidden_layers)

@@ -1,4 +1,4 @@
-"""Prompt-tune the default model through a swarm: `python -m peerd.examples_ptune`.
+"""Prompt-tune the default model through a swarm: `python -m examples.ptune`.
 
 The task is generated here: short reviews, labelled with a convention the model cannot know
 beforehand (a positive review is " green", a negative one " red"). Only the trainable prompts
@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=0.02)
     args = parser.parse_args(argv)
 
-    from peerd.localswarm import LocalSwarm
-    from peerd.model import AutoDistributedModelForCausalLM
+    from peerd.devtools.localswarm import LocalSwarm
+    from peerd.sdk.model import AutoDistributedModelForCausalLM
 
     swarm = None
     socket = args.socket

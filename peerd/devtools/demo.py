@@ -8,10 +8,10 @@ import time
 
 import trio
 
-from peerd.generation import encode_prompt
-from peerd.inference import InferenceSession
-from peerd.leech import open_leech
-from peerd.localswarm import LocalSwarm
+from peerd.devtools.localswarm import LocalSwarm
+from peerd.session.generation import encode_prompt
+from peerd.session.inference import InferenceSession
+from peerd.session.leech import open_leech
 
 
 def run_demo(

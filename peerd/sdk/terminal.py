@@ -1,5 +1,5 @@
 """What `peerd generate`, `peerd chat` and `peerd status` do at a terminal, on top of the client
-library (peerd.client) talking to the local daemon."""
+library (peerd.sdk.client) talking to the local daemon."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 import wire
-from peerd.client import Client, GenerateOptions
+from peerd.sdk.client import Client, GenerateOptions
 
 HELP = "commands: /reset (new conversation), /route (servers in use), /quit; Ctrl-C stops an answer"
 CHAT_MAX_LENGTH = 4096
@@ -221,7 +221,7 @@ def watch_status(
     from rich.live import Live
     from rich.text import Text
 
-    from peerd.client import DaemonNotRunning, PeerdError
+    from peerd.sdk.client import DaemonNotRunning, PeerdError
 
     console = Console(file=out)
     live = console.is_terminal if live is None else live

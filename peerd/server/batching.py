@@ -20,7 +20,7 @@ import torch
 import trio
 
 from blocks import Span, SpanSession
-from peerd.compute import PRIORITY_INFERENCE, ComputeQueue
+from peerd.server.compute import PRIORITY_INFERENCE, ComputeQueue
 
 # Most rows one merged forward takes; the rest wait for the next round (keeps a round short).
 MAX_BATCH_ROWS = 32
