@@ -13,6 +13,7 @@ from blocks.errors import (
 )
 from blocks.families import FAMILIES, Family, family_of
 from blocks.lora import AdapterError, AdapterInfo, adapter_name, read_adapter
+from blocks.memory import block_bytes
 from blocks.span import Span, load_span
 from blocks.throughput import Throughput, measure_throughput
 
@@ -32,6 +33,7 @@ __all__ = [
     "Throughput",
     "UnsupportedModelError",
     "adapter_name",
+    "block_bytes",
     "check_left_padding",
     "family_of",
     "load_client_side",

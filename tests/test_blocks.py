@@ -591,3 +591,24 @@ def test_throughput_is_measured_once_and_then_read_from_disk(
     assert record.name == "llama_span_0-2_cpu_torch.float32.json"
     assert blocks.measure_throughput(span, cache_dir=tmp_path) == first
     assert blocks.measure_throughput(span, cache_dir=tmp_path, use_disk_cache=False) != first
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_bytes_are_the_loaded_blocks_parameter_bytes(
+    tiny: dict[str, Path], dtype: torch.dtype
+) -> None:
+    span = blocks.load_span(tiny["llama"], 0, 1, dtype=dtype)
+    real = sum(t.numel() * t.element_size() for t in (*span.parameters(), *span.layers.buffers()))
+    assert blocks.block_bytes(TINY_CONFIGS["llama"], dtype) == real
+
+
+def test_block_bytes_count_every_expert_of_a_mixtral_block(tiny: dict[str, Path]) -> None:
+    config = TINY_CONFIGS["mixtral"]
+    span = blocks.load_span(tiny["mixtral"], 0, 1)
+    real = sum(t.numel() * t.element_size() for t in span.parameters())
+    assert blocks.block_bytes(config, torch.float32) == real
+    # Each expert adds its gate, up and down matrices and a router row, all of them counted.
+    hidden, inter = config.hidden_size, config.intermediate_size
+    one_expert = MixtralConfig(**{**config.to_dict(), "num_local_experts": 1})
+    more = blocks.block_bytes(config, torch.float32) - blocks.block_bytes(one_expert, torch.float32)
+    assert more == (config.num_local_experts - 1) * (3 * hidden * inter + hidden) * 4
