@@ -1,5 +1,6 @@
-"""wire/ stays sans-IO and at the bottom of the layers: it imports nothing of ours but itself, no
-I/O or networking module, and never pickle (docs/wire.md, DESIGN.md)."""
+"""wire/ stays sans-IO: it imports no I/O or networking module (only the short list below), calls
+no file or pickle I/O, and never mentions pickle (docs/wire.md, DESIGN.md). That it imports nothing
+of ours above it is one of the arrows tests/test_layering.py checks over the whole tree."""
 
 from __future__ import annotations
 
