@@ -1,4 +1,5 @@
-"""Fast tests of the daemon's own pieces: identity, compute queue, flag parsing, DHT keys."""
+"""Fast tests of the daemon's own pieces: identity, compute queue, flag parsing, DHT keys, how
+many blocks fit a memory budget."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import trio
+from transformers import LlamaConfig, MixtralConfig
 
-from peerd.daemon.main import DaemonError, parse_blocks
+from peerd.daemon.main import DaemonError, blocks_to_serve, parse_blocks
 from peerd.node.identity import IdentityError, load_or_create_identity, peer_id_of
 from peerd.node.p2p import BadMultiaddr, parse_peer_maddr
 from peerd.server.compute import PRIORITY_INFERENCE, PRIORITY_TRAINING, ComputeQueue
@@ -101,3 +103,29 @@ async def test_compute_queue_survives_a_cancelled_waiter() -> None:
             await queue.run(PRIORITY_INFERENCE, lambda: None)
         gate.set()
     assert await queue.run(PRIORITY_INFERENCE, lambda: 7) == 7
+
+
+TINY = {"vocab_size": 96, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def test_blocks_that_fit_a_budget_count_every_expert_of_a_mixtral_block() -> None:
+    """Four experts of 3 x 32 x 48 fp32 weights each: the experts alone take 72 KiB a block, 2.4x
+    what a dense gated MLP of the same sizes would, so a budget of two blocks' experts plus cache
+    fits one block (a dense formula would have fit all four)."""
+    config = MixtralConfig(**TINY, num_hidden_layers=4, intermediate_size=48, num_local_experts=4)
+    experts = 4 * 3 * 32 * 48 * 4
+    cache_tokens = 16
+    cache = 4 * 2 * 2 * 8 * cache_tokens  # fp32 keys and values, 2 KV heads of 8
+    assert blocks_to_serve(config, 2 * (experts + cache), cache_tokens) == 1
+    assert blocks_to_serve(config, 10**9, cache_tokens) == 4  # capped at the model's blocks
+    with pytest.raises(DaemonError, match="--memory-budget"):
+        blocks_to_serve(config, experts, cache_tokens)
+
+
+def test_blocks_that_fit_a_budget_of_a_dense_model() -> None:
+    config = LlamaConfig(**TINY, num_hidden_layers=6, intermediate_size=64)
+    # q, o (32 x 32), k, v (32 x 16), gate, up, down (32 x 64), two norms of 32; fp32
+    block = 4 * (2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32)
+    cache = 4 * 2 * 2 * 8 * 100
+    assert blocks_to_serve(config, 3 * (block + cache), 100) == 3
+    assert blocks_to_serve(config, 3 * (block + cache) - 1, 100) == 2

@@ -11,6 +11,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import trio
@@ -38,6 +39,9 @@ from peerd.server.compute import ComputeQueue
 from peerd.session.generation import Generator
 from peerd.session.swarm import SwarmView
 from routing.block_selection import better_span, blocks_that_fit, choose_blocks, recheck_delay
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +127,33 @@ def available_memory() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+def blocks_to_serve(
+    model_config: PretrainedConfig, budget: int, cache_tokens: int, model: str = "the model"
+) -> int:
+    """How many blocks a `--blocks auto` server takes on: each with its fp32 weights (measured
+    from the family's own layer, so every expert of a mixture-of-experts block counts) and a KV
+    cache of `cache_tokens`, within `budget` bytes."""
+    weights = blocks.block_bytes(model_config, torch.float32)
+    cache = _cache_bytes_per_block(model_config, cache_tokens)
+    count = blocks_that_fit(budget, weights, cache, int(model_config.num_hidden_layers))
+    if count < 1:
+        raise DaemonError(
+            f"a memory budget of {budget / 2**20:.0f} MiB does not fit one block of "
+            f"{model} ({(weights + cache) / 2**20:.0f} MiB with its cache): raise "
+            "--memory-budget or lower --cache-tokens"
+        )
+    return count
+
+
+def _cache_bytes_per_block(model_config: PretrainedConfig, cache_tokens: int) -> int:
+    """fp32 keys and values of `cache_tokens` positions in one block."""
+    width = int(model_config.hidden_size)
+    heads = int(model_config.num_attention_heads)
+    kv_heads = int(getattr(model_config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(model_config, "head_dim", None) or width // heads)
+    return 4 * 2 * kv_heads * head_dim * cache_tokens
 
 
 class Daemon:
@@ -307,23 +338,7 @@ class Daemon:
     def _blocks_that_fit(self) -> int:
         config = self.config
         budget = config.memory_budget or int(available_memory() * AUTO_MEMORY_FRACTION)
-        width = int(self.model_config.hidden_size)
-        inter = int(getattr(self.model_config, "intermediate_size", 4 * width))
-        heads = int(self.model_config.num_attention_heads)
-        kv_heads = int(getattr(self.model_config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(self.model_config, "head_dim", None) or width // heads)
-        # Per block: attention (q, o and k, v projections) and a gated MLP, fp32.
-        params = 2 * width * width + 2 * width * kv_heads * head_dim + 3 * width * inter
-        bytes_per_block = 4 * params
-        cache_per_block = 4 * 2 * kv_heads * head_dim * config.cache_tokens
-        count = blocks_that_fit(budget, bytes_per_block, cache_per_block, self.num_blocks)
-        if count < 1:
-            raise DaemonError(
-                f"a memory budget of {budget / 2**20:.0f} MiB does not fit one block of "
-                f"{self.model} ({(bytes_per_block + cache_per_block) / 2**20:.0f} MiB with its "
-                "cache): raise --memory-budget or lower --cache-tokens"
-            )
-        return count
+        return blocks_to_serve(self.model_config, budget, config.cache_tokens, self.model)
 
     async def _throughput(self, span: blocks.Span) -> float:
         if self.config.throughput != "auto":
