@@ -160,6 +160,24 @@ async def _killer(
             nursery.start_soon(restart, index, f"{daemon.identity.stem}-{len(stats.kills)}")
 
 
+async def _reference_answers(
+    client: DaemonProcess,
+    victims: list[tuple[DaemonProcess, str]],
+    new_tokens: int,
+    stats: _Stats,
+) -> list[list[int]]:
+    """The honest answer of every prompt, before anything is killed, from the long-lived servers
+    (routes prefer the victims, so those would otherwise first serve when a victim dies, after
+    the warm-up: their first sessions' allocations would count as growth). Then once through
+    the victims, which must give the same text (a difference counts as mismatched)."""
+    victim_ids = tuple(daemon.peer_id for daemon, _ in victims)
+    references = [await _generate(client.socket, p, new_tokens, None, victim_ids) for p in PROMPTS]
+    for prompt, reference in zip(PROMPTS, references, strict=True):
+        if await _generate(client.socket, prompt, new_tokens, None) != reference:
+            stats.mismatched += 1
+    return references
+
+
 async def _soak(
     swarm: LocalSwarm,
     client: DaemonProcess,
@@ -173,15 +191,7 @@ async def _soak(
     warmup_s: float,
 ) -> dict[str, Any]:
     stats = _Stats(duration=duration_s)
-    # The honest answer of every prompt, before anything is killed, from the long-lived servers
-    # (routes prefer the victims, so those would otherwise first serve when a victim dies, after
-    # the warm-up: their first sessions' allocations would count as growth). Then once through
-    # the victims, which must give the same text.
-    victim_ids = tuple(daemon.peer_id for daemon, _ in victims)
-    references = [await _generate(client.socket, p, new_tokens, None, victim_ids) for p in PROMPTS]
-    for prompt, reference in zip(PROMPTS, references, strict=True):
-        if await _generate(client.socket, prompt, new_tokens, None) != reference:
-            stats.mismatched += 1
+    references = await _reference_answers(client, victims, new_tokens, stats)
     rss_start = {d.name: _rss_mb(d) for d in long_lived}
     started = trio.current_time()
     deadline = started + duration_s
