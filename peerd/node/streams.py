@@ -1,13 +1,15 @@
-"""Typed messages over a libp2p stream: the wire framing driven by real reads and writes, with a
-deadline on every read (a peer that goes quiet must never hang us)."""
+"""Typed messages over a byte stream: the wire framing driven by real reads and writes, with a
+deadline on every read (a peer that goes quiet must never hang us).
+
+The byte stream is a libp2p stream in the daemon, or anything with the same read/write/close
+(tests/memnet.py runs servers and clients over trio memory streams in one process)."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import trio
-from libp2p.abc import INetStream
 from libp2p.network.stream.exceptions import StreamError
 
 from wire import Message, MessageDecoder, ProtocolError, encode_message
@@ -25,18 +27,41 @@ class Idle(PeerGone):
     """Nothing arrived within the deadline (the stream itself may still be fine)."""
 
 
-class MessageStream:
-    """One libp2p stream carrying wire frames in both directions."""
+class ByteStream(Protocol):
+    """What MessageStream needs of a stream: a libp2p INetStream has it, and so does a test's
+    in-memory stream. `read` returns b"" at the end of the stream; a broken stream raises
+    libp2p's StreamError or trio's BrokenResourceError/ClosedResourceError."""
 
-    def __init__(self, stream: INetStream, max_frame_size: int) -> None:
+    async def read(self, n: int | None = None) -> bytes: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class MessageStream:
+    """One byte stream carrying wire frames in both directions.
+
+    `remote_peer` is the peer id at the other end; left out, it is the stream's own
+    `remote_peer` attribute where it has one (an in-memory stream of the tests), else the peer of
+    the libp2p connection the stream runs on."""
+
+    def __init__(
+        self, stream: ByteStream, max_frame_size: int, remote_peer: str | None = None
+    ) -> None:
         self.stream = stream
         self.max_frame_size = max_frame_size
+        self._remote_peer = remote_peer
         self._decoder = MessageDecoder(max_frame_size=max_frame_size)
         self._send_lock = trio.Lock()  # frames from two tasks must not interleave
 
     @property
     def remote_peer(self) -> str:
-        return self.stream.muxed_conn.peer_id.to_string()
+        if self._remote_peer is None:
+            self._remote_peer = getattr(self.stream, "remote_peer", None) or _libp2p_peer(
+                self.stream
+            )
+        return self._remote_peer
 
     async def send(self, message: Message, compression: str = "raw") -> None:
         """Send one message, its tensors encoded with `compression` (wire.COMPRESSIONS)."""
@@ -76,3 +101,7 @@ class MessageStream:
         # Closing a dead stream can fail in many ways; there is nothing left to do then.
         with trio.move_on_after(1), contextlib.suppress(Exception):
             await self.stream.close()
+
+
+def _libp2p_peer(stream: object) -> str:
+    return str(stream.muxed_conn.peer_id.to_string())  # type: ignore[attr-defined]

@@ -17,14 +17,13 @@ from dataclasses import dataclass, field
 
 import torch
 import trio
-from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
 import wire
 from blocks import MemoryCache, Span, SpanSession
 from peerd import __version__
 from peerd.node.p2p import PUSH_PROTOCOL, Node
-from peerd.node.streams import Idle, MessageStream, PeerGone
+from peerd.node.streams import ByteStream, Idle, MessageStream, PeerGone
 from peerd.server.admission import Admission, Refused
 from peerd.server.batching import StepBatcher
 from peerd.server.compute import PRIORITY_TRAINING, ComputeQueue
@@ -205,8 +204,8 @@ class BlockServer:
 
     # --- info -------------------------------------------------------------------------------
 
-    async def handle_info(self, stream: INetStream) -> None:
-        messages = MessageStream(stream, self.limits.max_frame_size)
+    async def handle_info(self, stream: ByteStream, remote_peer: str | None = None) -> None:
+        messages = MessageStream(stream, self.limits.max_frame_size, remote_peer)
         try:
             await messages.receive_as(wire.InfoRequest, OPEN_TIMEOUT_S)
             await messages.send(wire.InfoResponse(record=record_to_info(self.record())))
@@ -219,11 +218,11 @@ class BlockServer:
 
     # --- inference --------------------------------------------------------------------------
 
-    async def handle_inference(self, stream: INetStream) -> None:
+    async def handle_inference(self, stream: ByteStream, remote_peer: str | None = None) -> None:
         """One stream = one session: OpenSession, then Step* (each answered by a StepResult),
         then CloseSession or the stream's end. Any error ends the session with an Error reply
         and frees its cache; other sessions are untouched."""
-        messages = MessageStream(stream, self.limits.max_frame_size)
+        messages = MessageStream(stream, self.limits.max_frame_size, remote_peer)
         peer = messages.remote_peer
         try:
             request = await messages.receive_as(wire.OpenSession, OPEN_TIMEOUT_S)
@@ -356,11 +355,11 @@ class BlockServer:
 
     # --- server-to-server push ------------------------------------------------------------
 
-    async def handle_push(self, stream: INetStream) -> None:
+    async def handle_push(self, stream: ByteStream, remote_peer: str | None = None) -> None:
         """Steps pushed by the previous server of a client's route, for sessions the client
         opened here, each handed to its session's task (so one session's step never holds up
         another's). Nothing is answered on this stream: results go to the client."""
-        messages = MessageStream(stream, self.limits.max_frame_size)
+        messages = MessageStream(stream, self.limits.max_frame_size, remote_peer)
         try:
             while True:
                 message = await messages.receive_as(wire.Step, SESSION_IDLE_TIMEOUT_S)
@@ -436,10 +435,10 @@ class BlockServer:
 
     # --- training: cache-less forward and backward ----------------------------------------
 
-    async def handle_training(self, stream: INetStream) -> None:
+    async def handle_training(self, stream: ByteStream, remote_peer: str | None = None) -> None:
         """Forward and Backward requests, each answered in turn, until the client closes the
         stream or goes quiet. A bad request gets an Error and the stream goes on."""
-        messages = MessageStream(stream, self.limits.max_frame_size)
+        messages = MessageStream(stream, self.limits.max_frame_size, remote_peer)
         try:
             while True:
                 request = await messages.receive(SESSION_IDLE_TIMEOUT_S)
