@@ -22,12 +22,12 @@ from typing import TypeVar
 
 import torch
 import trio
-from libp2p.peer.id import ID
 
 import wire
 from peerd.node.p2p import TRAINING_PROTOCOL
-from peerd.node.streams import MessageStream, PeerGone
-from peerd.session.inference import MAX_HOP_FAILURES, OPEN_TIMEOUT_S, ROUTE_WAIT_S, InferenceFailed
+from peerd.node.streams import PeerGone
+from peerd.session.hops import OPEN_TIMEOUT_S, PEER_FAULTS, dial
+from peerd.session.route import MAX_HOP_FAILURES, ROUTE_WAIT_S, InferenceFailed
 from peerd.session.swarm import SwarmView
 from routing.planner import NoRouteError, RouteHop, format_route, route_hops
 
@@ -251,18 +251,14 @@ class Trainer:
                 raise HopFailed(hop.peer_id, f"our own server refused: {e}", refused=True) from e
             assert isinstance(reply, reply_type)
             return reply
-        try:
-            peer = ID.from_base58(hop.peer_id)
-            self.swarm.node.remember(peer, hop.record.addrs)
-            with trio.fail_after(OPEN_TIMEOUT_S):
-                raw = await self.swarm.node.open_stream(peer, TRAINING_PROTOCOL)
-        except Exception as e:  # unreachable, dial refused, protocol not offered
-            raise HopFailed(hop.peer_id, f"cannot reach {hop.peer_id}: {e}") from e
-        stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
+        try:  # unreachable, dial refused, protocol not offered
+            stream = await dial(self.swarm, hop, TRAINING_PROTOCOL, OPEN_TIMEOUT_S)
+        except PeerGone as e:
+            raise HopFailed(hop.peer_id, str(e)) from e
         try:
             await stream.send(request, self.codec)
             reply = await stream.receive(PASS_TIMEOUT_S)
-        except (PeerGone, wire.ProtocolError) as e:
+        except PEER_FAULTS as e:
             raise HopFailed(hop.peer_id, f"{hop.peer_id} failed: {e}") from e
         finally:
             await stream.close()

@@ -8,13 +8,16 @@ the checked one, never our own), and feeds it, in one step, every input the span
 the shadow's last check, ending with this step's; the shadow then holds the same cache the
 checked server should hold, and its output for this step's tokens must equal the claimed one
 within `tolerance()`. The inputs are the client's own record of what it sent into that block
-(InferenceSession keeps them for failover), so no server can choose what the check sees.
+(the route keeper keeps them for failover), so no server can choose what the check sees.
 
 A mismatch alone does not say who lied, so a *referee* (a third server holding the span, in a
 fresh session fed the whole history) decides: the side it agrees with is honest and the other
 is banned for LIAR_BAN_S, with the evidence logged (blocks, positions, max abs diff, tolerance,
 peers). With no referee available, or a referee agreeing with neither, both are banned: a swarm
 that cannot tell is not trusted. Our own server is trusted and never checked.
+
+The step runner (peerd.session.steps) calls SpotChecks after every step: a hop caught lying is
+replaced and the step re-run from it, so the caller only ever sees honest outputs.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from typing import Protocol
 import torch
 
 import wire
-from peerd.node.streams import PeerGone
+from peerd.session.hops import PEER_FAULTS, HopSession, WrongResult
+from peerd.session.route import RouteKeeper
 from peerd.session.swarm import SwarmView
 from routing.planner import RouteHop
 from routing.records import ROUTABLE_STATES, ServerRecord
@@ -112,7 +116,7 @@ class _Shadow:
 
 
 class StepVerifier:
-    """Spot checks for one InferenceSession (which calls `check` after every step)."""
+    """Spot checks for one InferenceSession (SpotChecks calls `check` after every step)."""
 
     def __init__(
         self,
@@ -171,7 +175,7 @@ class StepVerifier:
             output = await shadow.session.step(
                 history[:, from_position:], self.codec, from_position
             )
-        except (PeerGone, wire.ProtocolError) as e:
+        except PEER_FAULTS as e:
             log.info("verifier %s failed (%s): step not checked", verifier, e)
             await self._drop(start, end)
             return None
@@ -237,12 +241,12 @@ class StepVerifier:
             return None, None
         try:
             session = await self.open_hop(RouteHop(record.peer_id, start, end, record))
-        except Exception as e:
+        except PEER_FAULTS as e:
             log.info("referee %s could not open a session: %s", record.peer_id, e)
             return None, None
         try:
             output = await session.step(history, self.codec, 0)
-        except (PeerGone, wire.ProtocolError) as e:
+        except PEER_FAULTS as e:
             log.info("referee %s failed: %s", record.peer_id, e)
             return None, None
         finally:
@@ -263,7 +267,7 @@ class StepVerifier:
                 return None
             try:
                 session = await self.open_hop(RouteHop(record.peer_id, start, end, record))
-            except Exception as e:  # no verifier this time; the step goes unchecked
+            except PEER_FAULTS as e:  # no verifier this time; the step goes unchecked
                 log.info("verifier %s could not open a session: %s", record.peer_id, e)
                 return None
             shadow = self._shadows[(start, end)] = _Shadow(session)
@@ -302,3 +306,43 @@ class StepVerifier:
     async def close(self) -> None:
         for key in list(self._shadows):
             await self._drop(*key)
+
+
+Relay = Callable[[int, torch.Tensor, int | None], Awaitable[torch.Tensor]]
+
+
+class SpotChecks:
+    """The step runner's hook: spot-check the hops of each step (StepVerifier.wants says
+    which). A hop caught lying is replaced and the step re-runs from it on honest servers
+    through `relay` (the later hops roll their caches back to the step's first position), so
+    the output returned is the honest one."""
+
+    def __init__(self, verifier: StepVerifier, route: RouteKeeper, relay: Relay) -> None:
+        self.verifier = verifier
+        self.route = route
+        self.relay = relay
+
+    async def __call__(self, output: torch.Tensor, first_position: int) -> torch.Tensor:
+        end_position = first_position + output.shape[1]
+        hops, inputs = self.route.hops, self.route.inputs  # replace() edits both in place
+        i = 0
+        while i < len(hops):
+            hop = hops[i]
+            if not isinstance(hop, HopSession) or not self.verifier.wants(hop):
+                i += 1
+                continue
+            start = hop.hop.start
+            history = inputs[start][:, :end_position]
+            if i + 1 < len(hops):
+                claimed = inputs[hops[i + 1].hop.start][:, first_position:end_position]
+            else:
+                claimed = output
+            liar = await self.verifier.check(hop, history, claimed)
+            if liar is None:
+                i += 1
+                continue
+            step_input = history[:, first_position:]
+            self.route.forget(start, first_position)
+            await self.route.replace(i, WrongResult(f"{liar} failed a spot check"))
+            output = await self.relay(i, step_input, first_position)
+        return output

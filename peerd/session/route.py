@@ -1,0 +1,275 @@
+"""Route keeping for one inference session: open a session on every hop of a route, and when a
+hop fails, ban its server, open replacement hops over the same blocks and replay the remembered
+inputs to rebuild their caches.
+
+The keeper remembers every input sent into each block boundary (`inputs`), so any hop can be
+rebuilt elsewhere; the step runner (peerd.session.steps) tells it what each hop took.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+import trio
+
+from peerd.session.hops import PEER_FAULTS, Hop, HopOptions, HopRefused, open_hop
+from peerd.session.swarm import SwarmView
+from routing.planner import NoRouteError, Route, RouteHop, plan_route
+
+log = logging.getLogger(__name__)
+
+# How long to wait for the swarm to offer a route (servers may be restarting) before failing.
+ROUTE_WAIT_S = 30.0
+# Seconds past that deadline a refresh under way may take to finish (one info round trip).
+INFO_GRACE_S = 3.0
+# Failed servers one session replaces before it gives up (RouteOptions.max_retries overrides it).
+MAX_HOP_FAILURES = 8
+
+
+class InferenceFailed(Exception):
+    """The swarm could not finish a step: no server is left for some blocks, or too many failed."""
+
+
+class AdapterUnavailable(InferenceFailed):
+    """No server in the swarm offers the LoRA adapter a session asked for."""
+
+
+class RouteKeeper:
+    """The open hops of one session's route, the inputs each block boundary took, and the
+    servers' failures so far."""
+
+    def __init__(
+        self,
+        swarm: SwarmView,
+        options: HopOptions,
+        *,
+        allowed: frozenset[str] | None,
+        blocked: frozenset[str],
+        max_retries: int,
+    ) -> None:
+        self.swarm = swarm
+        self.options = options
+        self.allowed, self.blocked = allowed, blocked
+        self.max_retries = max_retries
+        self.hops: list[Hop] = []
+        # inputs[b]: every hidden state sent into block b so far, concatenated over positions.
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.failures = 0
+        self._reported: Hop | None = None  # the hop being replaced (already counted as failed)
+
+    async def open(self) -> None:
+        """Open a route over every block (after checking some server offers our adapter)."""
+        if self.options.adapter is not None:
+            await self._check_adapter_offered(self.options.adapter)
+        self.hops = await self.open_hops(0, self.swarm.num_blocks)
+
+    async def close(self) -> None:
+        with trio.CancelScope(shield=True):
+            for hop in self.hops:
+                await hop.close()
+        self.hops = []
+
+    async def open_hop(self, hop: RouteHop) -> Hop:
+        """A session on one server with this route's options (the verifier opens its own)."""
+        return await open_hop(self.swarm, hop, self.options)
+
+    # --- the input history ------------------------------------------------------------------
+
+    def remember(self, block: int, hidden: torch.Tensor) -> None:
+        past = self.inputs.get(block)
+        self.inputs[block] = hidden if past is None else torch.cat([past, hidden], dim=1)
+
+    def forget(self, first_block: int, position: int) -> None:
+        """Drop the remembered inputs of blocks from `first_block` on, from `position` on."""
+        for block in list(self.inputs):
+            if block >= first_block:
+                if position == 0:
+                    del self.inputs[block]
+                else:
+                    self.inputs[block] = self.inputs[block][:, :position]
+
+    def truncate(self, position: int) -> None:
+        """Keep the inputs of the first `position` tokens only (a rollback, or a step that was
+        interrupted after some hops took it)."""
+        for block, inputs in self.inputs.items():
+            self.inputs[block] = inputs[:, :position]
+
+    # --- replacing a failed hop ---------------------------------------------------------------
+
+    async def replace(self, index: int, error: Exception) -> None:
+        """Swap the failed hop at `index` for fresh hops over the same blocks, with their caches
+        rebuilt from the remembered inputs."""
+        failed = self.hops[index]
+        started = time.perf_counter()
+        if failed is not self._reported:  # not already counted by a replace cut short
+            self._reported = failed
+            self.failures += 1
+            log.warning(
+                "server %s failed on blocks %d:%d (%s); re-routing",
+                failed.peer_id,
+                failed.hop.start,
+                failed.hop.end,
+                error,
+            )
+            self.swarm.report_failure(failed.peer_id)
+            self._check_retries(error)
+            with trio.CancelScope(shield=True):
+                await failed.close()
+        start, end = failed.hop.start, failed.hop.end
+        history = self.inputs.get(start)
+        new_hops = await self._open_and_replay(start, end, history)
+        self.hops[index : index + 1] = new_hops
+        self._reported = None
+        log.info(
+            "blocks %d:%d moved from %s to %s: %d tokens replayed in %.2f s",
+            start,
+            end,
+            failed.peer_id,
+            ", ".join(h.peer_id for h in new_hops),
+            0 if history is None else int(history.shape[1]),
+            time.perf_counter() - started,
+        )
+
+    async def _open_and_replay(
+        self, start: int, end: int, history: torch.Tensor | None
+    ) -> list[Hop]:
+        """Fresh hops over [start, end) with `history` replayed into them, trying other servers
+        while replacements die during the replay."""
+        while True:
+            new_hops = await self.open_hops(start, end)
+            try:
+                await self._replay(new_hops, start, history)
+                return new_hops
+            except PEER_FAULTS as e:
+                # A replacement died while rebuilding its cache: ban it and try others.
+                self.failures += 1
+                with trio.CancelScope(shield=True):
+                    for hop in new_hops:
+                        await hop.close()
+                self._check_retries(e)
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    for hop in new_hops:
+                        await hop.close()
+                raise
+
+    def _check_retries(self, error: Exception) -> None:
+        """Give up once more servers failed than max_retries allows replacing."""
+        if self.failures > self.max_retries:
+            raise InferenceFailed(
+                f"{self.failures} server failure(s) in this session, more than max_retries="
+                f"{self.max_retries} allows; giving up (last: {error}). Retry, or allow more "
+                "retries"
+            ) from error
+
+    async def _replay(self, hops: list[Hop], start: int, history: torch.Tensor | None) -> None:
+        """Rebuild the caches of fresh hops over blocks from `start` by running the remembered
+        inputs through them, remembering the inputs of any new block boundary on the way."""
+        if history is None:
+            return
+        hidden = history
+        for hop in hops:
+            if hop.hop.start != start:
+                self.inputs[hop.hop.start] = hidden
+            try:
+                hidden = await hop.step(hidden, self.options.codec)
+            except PEER_FAULTS:
+                self.swarm.report_failure(hop.peer_id)
+                raise
+
+    # --- opening hops -------------------------------------------------------------------------
+
+    async def open_hops(self, start: int, end: int) -> list[Hop]:
+        """Plan [start, end) and open a session on each hop, re-planning around servers that
+        refuse or fail to open, until a route opens or no server is left.
+
+        A server that fails (unreachable, broken stream) is banned for everyone; one that is
+        alive but refuses (full cache, too many sessions from us) is only skipped by this
+        session for a moment: it is healthy for other clients and may have room soon."""
+        deadline = trio.current_time() + ROUTE_WAIT_S
+        refused: set[str] = set()
+        while True:
+            route = await self._plan(start, end, refused, deadline)
+            if route is None:
+                continue
+            opened: list[Hop] = []
+            try:
+                for hop in route:
+                    opened.append(await self.open_hop(hop))
+                return opened
+            except PEER_FAULTS as e:
+                bad = route[len(opened)].peer_id
+                log.warning("could not open a session on %s: %s", bad, e)
+                if isinstance(e, HopRefused):
+                    refused.add(bad)
+                else:
+                    self.swarm.report_failure(bad)
+                    self.failures += 1
+                with trio.CancelScope(shield=True):
+                    for hop_session in opened:
+                        await hop_session.close()
+                self._check_retries(e)
+                if trio.current_time() > deadline:
+                    raise InferenceFailed(
+                        f"could not open a route over blocks {start}:{end}: {e}"
+                    ) from e
+
+    async def _plan(self, start: int, end: int, refused: set[str], deadline: float) -> Route | None:
+        """The cheapest route now, or None after waiting a little for the swarm to change
+        (InferenceFailed past `deadline`)."""
+        try:
+            return self.swarm.plan(
+                start,
+                end,
+                min_free_cache_tokens=self.options.batch_size * self.options.max_length,
+                session_length=self.options.max_length,
+                allowed_servers=self.allowed,
+                blocked_servers=refused | self.blocked,
+                adapter=self.options.adapter,
+            )
+        except NoRouteError as e:
+            if trio.current_time() > deadline:
+                why = self.swarm.explain_unreachable(e.missing)
+                raise InferenceFailed(f"{e}; {why}" if why else str(e)) from e
+        refused.clear()  # try the busy ones again after a pause
+        # A refresh can take long when the DHT nodes are gone (block look-ups time out one by
+        # one): wait for a route until the deadline, not for the refresh.
+        with trio.move_on_after(max(0.0, deadline - trio.current_time()) + INFO_GRACE_S):
+            await self.swarm.refresh()
+        self._check_allowed_cover(start, end)
+        await trio.sleep(0.5)
+        return None
+
+    def _check_allowed_cover(self, start: int, end: int) -> None:
+        """Raise NoRouteError at once when the caller's allowed_servers leave some of blocks
+        [start, end) to servers outside it: waiting for the swarm cannot fix that."""
+        if self.allowed is None:
+            return
+        try:
+            plan_route(
+                self.swarm.snapshot(),
+                start,
+                end,
+                allowed_servers=self.allowed,
+                blocked_servers=self.blocked,
+            )
+        except NoRouteError as e:
+            if e.due_to_allowed_servers:
+                raise
+
+    async def _check_adapter_offered(self, adapter: str) -> None:
+        """Fail at once, not after ROUTE_WAIT_S, when no server in the swarm has the adapter."""
+        for attempt in range(2):
+            offered = {name for r in self.swarm.snapshot().records for name in r.adapters}
+            if adapter in offered:
+                return
+            if attempt == 0:
+                await self.swarm.refresh()
+        listed = ", ".join(sorted(offered)) or "none"
+        raise AdapterUnavailable(
+            f"no server of {self.swarm.model} offers adapter {adapter!r} (adapters in the swarm: "
+            f"{listed}); start servers with `peerd start --adapters DIR` where DIR's name is "
+            f"{adapter!r}"
+        )

@@ -1,0 +1,96 @@
+"""Step running for one inference session: push a step down the chain of hops (each server
+forwards its output to the next and answers us too) or relay it hop by hop ourselves, collecting
+every hop's output, then hand the step's output to the hooks (spot checks) that may change it.
+
+A hop that fails mid-step is handed to the route keeper to replace, and the step goes on from
+that hop on the replacement.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Awaitable, Callable
+
+import torch
+
+from peerd.session.hops import PEER_FAULTS, HopSession
+from peerd.session.route import RouteKeeper
+from wire.peer_protocol import CompressionName
+
+# Called after each step with (the step's output, the position of its first token); returns the
+# output to use (a spot check that caught a liar re-runs the step and returns the honest one).
+StepHook = Callable[[torch.Tensor, int], Awaitable[torch.Tensor]]
+
+
+class StepRunner:
+    """Runs steps through the hops a RouteKeeper holds."""
+
+    def __init__(self, route: RouteKeeper, codec: CompressionName, push: bool) -> None:
+        self.route = route
+        self.codec = codec
+        self.push = push
+        self.hooks: list[StepHook] = []
+        self._push_ids = itertools.count(1 << 40)  # apart from each hop's own step ids
+
+    async def run(
+        self, hidden: torch.Tensor, first_position: int, rewind: int | None
+    ) -> torch.Tensor:
+        """Run [batch, tokens, hidden] starting at `first_position` through every hop; with
+        `rewind`, every hop is told where the tokens start (rolling back what it holds past
+        it)."""
+        hops = self.route.hops
+        i = 0
+        remote = all(isinstance(hop, HopSession) for hop in hops)
+        if self.push and rewind is None and remote and len(hops) > 1:
+            i, hidden = await self._push_step(hidden)
+            if i < len(hops):
+                # The chain broke. A server past the break may still have got the push (its
+                # pusher died after sending): starting the relayed step at our position rolls
+                # such a cache back instead of appending the tokens twice.
+                rewind = first_position
+        hidden = await self.relay(i, hidden, rewind)
+        for hook in self.hooks:
+            hidden = await hook(hidden, first_position)
+        return hidden
+
+    async def relay(self, i: int, hidden: torch.Tensor, rewind: int | None) -> torch.Tensor:
+        """Client-relayed: each hop from `i` on in turn (all of them without push, or from
+        where a push chain broke); returns the last hop's output."""
+        hops = self.route.hops
+        while i < len(hops):
+            hop = hops[i]
+            try:
+                output = await hop.step(hidden, self.codec, rewind)
+            except PEER_FAULTS as e:
+                await self.route.replace(i, e)
+                continue  # the replacement hops start at the same block: retry with `hidden`
+            self.route.remember(hop.hop.start, hidden)
+            self.route.swarm.report_success(hop.peer_id)
+            hidden = output
+            i += 1
+        return hidden
+
+    async def _push_step(self, hidden: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Send the step to the first hop naming the rest: each server pushes its output to
+        the next and also answers us, so a step costs one pass through the chain and we still
+        hold every hop's input for failover. Returns (first hop not done, its input)."""
+        hops = [hop for hop in self.route.hops if isinstance(hop, HopSession)]
+        step_id = next(self._push_ids)
+        chain = tuple(hop.as_next_hop() for hop in hops[1:])
+        for hop in hops[1:]:
+            hop.expect(step_id)  # their replies to the pushed step come on their streams
+        try:
+            await hops[0].send_step(hidden, self.codec, step_id, next_hops=chain)
+        except PEER_FAULTS:
+            return 0, hidden  # the relay loop retries hop 0 and replaces it if it is gone
+        for i, hop in enumerate(hops):
+            try:
+                result = await hop.receive_result(step_id)
+            except PEER_FAULTS:
+                return i, hidden
+            self.route.remember(hop.hop.start, hidden)
+            self.route.swarm.report_success(hop.peer_id)
+            hidden = result.hidden_states
+            if result.push_failed and i + 1 < len(hops):
+                return i + 1, hidden
+        return len(hops), hidden

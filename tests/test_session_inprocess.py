@@ -1,0 +1,155 @@
+"""The client session against real BlockServers in one process (tests/memnet.py): failover with
+replay, a cancelled step's late reply dropped, and a lying server caught by the spot checks and
+routed around. Each output is compared with the whole model run in one piece (tiny random llama,
+6 blocks), within a tolerance scaled to the values' magnitude."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+import blocks
+from peerd.server.block_server import TEST_CORRUPT_ENV
+from peerd.session.inference import InferenceSession
+from peerd.session.swarm import SwarmView
+from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet, save_tiny_llama
+from tests.numeric import assert_close_scaled
+
+HIDDEN = 32  # the tiny llama's hidden size
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("inprocess"))
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_llama: Path) -> blocks.Span:
+    """Every block in one span: the reference a route of servers must match."""
+    return blocks.load_span(tiny_llama, 0, TINY_BLOCKS)
+
+
+def _steps(seed: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """Hidden states of a prompt then decode steps, [1, tokens, HIDDEN] each."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, n, HIDDEN, generator=g) for n in sizes]
+
+
+def _reference(whole: blocks.Span, steps: list[torch.Tensor]) -> torch.Tensor:
+    """The whole model's output for all those tokens as one sequence, in one pass."""
+    with torch.inference_mode():
+        return whole(torch.cat(steps, dim=1))
+
+
+def _serve(net: MemNet, path: Path, spans: dict[str, tuple[int, int]]) -> None:
+    for name, (start, end) in spans.items():
+        net.serve(name, blocks.load_span(path, start, end))
+
+
+def _view(net: MemNet, names: list[str] | None = None) -> SwarmView:
+    view = SwarmView(net.node("client"), TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
+    view.records = net.records(names)  # what a refresh would have found
+    return view
+
+
+def _name_of(net: MemNet, peer_id: str, names: list[str]) -> str:
+    return next(name for name in names if net.peer_id(name) == peer_id)
+
+
+async def test_a_killed_server_is_replaced_and_its_cache_replayed(
+    tiny_llama: Path, whole: blocks.Span
+) -> None:
+    steps = _steps(0, (5, 1, 1, 1, 1, 1))
+    reference = _reference(whole, steps)
+    names = ["head", "tail-1", "tail-2"]
+    async with open_memnet() as net:
+        _serve(net, tiny_llama, {"head": (0, 3), "tail-1": (3, 6), "tail-2": (3, 6)})
+        view = _view(net)
+        async with InferenceSession(view, max_length=16) as session:
+            outputs = []
+            for i, hidden in enumerate(steps):
+                if i == 3:  # mid-generation: the server of blocks 3:6 dies with its cache
+                    victim = _name_of(net, session.hops[1].peer_id, names)
+                    net.kill(victim)
+                outputs.append(await session.step(hidden))
+            survivor = _name_of(net, session.hops[1].peer_id, names)
+            assert {victim, survivor} == {"tail-1", "tail-2"}
+            assert session.failures == 1
+            assert view.bans.failures(net.peer_id(victim)) == 1
+            assert net.peer_id(victim) not in view.records
+            assert session.position == sum(s.shape[1] for s in steps)
+    assert_close_scaled(torch.cat(outputs, dim=1), reference)
+
+
+@pytest.fixture
+def gate() -> Iterator[dict[str, Any]]:
+    yield {"armed": False, "entered": trio.Event(), "release": trio.Event()}
+
+
+async def test_a_cancelled_steps_late_reply_is_dropped_not_blamed_on_the_server(
+    tiny_llama: Path, whole: blocks.Span, monkeypatch: pytest.MonkeyPatch, gate: dict[str, Any]
+) -> None:
+    """Ctrl-C in `peerd chat` while the last server computes: its reply comes after the cancel.
+    The next step must read its own reply, and the server must not count as failed (no other
+    server holds its blocks here, so a failure would end the session)."""
+    first, cancelled, after = _steps(1, (4, 1, 2))
+    reference = _reference(whole, [first, after])
+    async with open_memnet() as net:
+        _serve(net, tiny_llama, {"head": (0, 3), "tail": (3, 6)})
+        tail = net.server("tail")
+        run_step = tail.run_step
+
+        async def slow_run_step(*args: Any, **kwargs: Any) -> torch.Tensor:
+            if gate["armed"]:
+                gate["armed"] = False
+                gate["entered"].set()
+                await gate["release"].wait()
+            return await run_step(*args, **kwargs)
+
+        monkeypatch.setattr(tail, "run_step", slow_run_step)
+        view = _view(net)
+        async with InferenceSession(view, max_length=16) as session:
+            out_first = await session.step(first)
+            gate["armed"] = True
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(session.step, cancelled)
+                    await gate["entered"].wait()  # the tail holds the step: cancel it now
+                    scope.cancel()
+            assert scope.cancelled_caught
+            gate["release"].set()  # the tail answers the cancelled step, late
+            out_after = await session.step(after)
+            assert session.failures == 0
+            assert net.peer_id("tail") in view.records
+            assert view.bans.failures(net.peer_id("tail")) == 0
+            assert session.position == first.shape[1] + after.shape[1]
+    assert_close_scaled(torch.cat([out_first, out_after], dim=1), reference)
+
+
+async def test_a_lying_server_is_caught_banned_and_routed_around(
+    tiny_llama: Path, whole: blocks.Span, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    steps = _steps(2, (6, 1, 1))
+    reference = _reference(whole, steps)
+    async with open_memnet() as net:
+        monkeypatch.setenv(TEST_CORRUPT_ENV, "1")  # every step it answers is wrong
+        _serve(net, tiny_llama, {"liar": (3, 6)})
+        monkeypatch.delenv(TEST_CORRUPT_ENV)
+        _serve(net, tiny_llama, {"head": (0, 3), "honest-1": (3, 6), "honest-2": (3, 6)})
+        view = _view(net, ["head", "liar"])  # the route can only go through the liar...
+        async with InferenceSession(view, max_length=16, verify_fraction=1.0) as session:
+            assert session.hops[1].peer_id == net.peer_id("liar")
+            view.records = net.records()  # ...then the checkers appear
+            outputs = [await session.step(hidden) for hidden in steps]
+            liar = net.peer_id("liar")
+            assert session.hops[1].peer_id != liar
+            assert session.verifier is not None
+            assert [m.liar for m in session.verifier.mismatches] == [liar]
+            assert view.bans.is_liar(liar, time.time())
+    assert_close_scaled(torch.cat(outputs, dim=1), reference)
