@@ -13,6 +13,7 @@ import itertools
 import logging
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import trio
@@ -25,9 +26,11 @@ from blocks import BlocksError
 from peerd.node.p2p import INFERENCE_PROTOCOL
 from peerd.node.streams import MessageStream, PeerGone
 from peerd.session.local import LocalSteps
-from peerd.session.swarm import SwarmView
 from routing.planner import RouteHop
 from wire.peer_protocol import CompressionName
+
+if TYPE_CHECKING:  # the swarm view asks servers for records with the faults named here
+    from peerd.session.swarm import SwarmView
 
 log = logging.getLogger(__name__)
 

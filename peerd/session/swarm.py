@@ -20,7 +20,8 @@ from libp2p.peer.peerinfo import PeerInfo
 
 import wire
 from peerd.node.p2p import INFO_PROTOCOL, Node
-from peerd.node.streams import MessageStream, PeerGone
+from peerd.node.streams import MessageStream
+from peerd.session.hops import DIAL_FAULTS, PEER_FAULTS
 from peerd.session.local import LocalServer
 from routing.bans import BanList
 from routing.planner import Route, plan_route
@@ -107,11 +108,10 @@ class SwarmView:
     # --- discovering --------------------------------------------------------------------------
 
     async def _providers(self, key: str, serving_it: bool) -> list[PeerInfo]:
-        # find_providers answers from the local store alone when it holds any record for the
-        # key (its own, or ones cached by earlier look-ups), so forget cached copies to ask the
-        # network (notes/libp2p.md, pitfall 5). Our own record stays when we provide the key.
+        # Cached provider records (our own, or ones from earlier look-ups) would answer alone:
+        # forget them to ask the network. Our own record stays when we provide the key.
         if not serving_it:
-            self.node.dht.provider_store.providers.pop(bytes.fromhex(key), None)
+            self.node.forget_cached_providers(key)
         with trio.move_on_after(INFO_TIMEOUT_S):
             try:
                 return list(await self.node.dht.find_providers(key, count=MAX_PROVIDERS))
@@ -168,7 +168,7 @@ class SwarmView:
                     reply = await stream.receive(INFO_TIMEOUT_S)
                 finally:
                     await stream.close()
-        except (PeerGone, wire.ProtocolError, trio.TooSlowError, OSError, Exception) as e:
+        except (*PEER_FAULTS, *DIAL_FAULTS) as e:  # anything else is our bug: raised
             log.debug("info from %s failed: %s", peer_id, e)
             if not reached and peer_id in self.last_seen:
                 tried = ", ".join(map(str, self.node.host.get_peerstore().addrs(peer.peer_id)))
