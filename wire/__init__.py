@@ -9,6 +9,13 @@ docs/wire.md; the tests in tests/test_wire_*.py hold it to this code.
     for msg in decoder: ...              # validated Step, CloseSession, ...; or ProtocolError
 """
 
+from wire.conversation import (
+    ClientInference,
+    ClientTraining,
+    ConversationError,
+    ServerInference,
+    ServerTraining,
+)
 from wire.errors import (
     FrameTooLarge,
     MalformedFrame,
@@ -92,9 +99,12 @@ __all__ = [
     "Backward",
     "BackwardResult",
     "Cancel",
+    "ClientInference",
+    "ClientTraining",
     "CloseInference",
     "CloseSession",
     "Compression",
+    "ConversationError",
     "Error",
     "ErrorCode",
     "Forward",
@@ -122,7 +132,9 @@ __all__ = [
     "ProtocolError",
     "Record",
     "RouteOptions",
+    "ServerInference",
     "ServerInfo",
+    "ServerTraining",
     "SessionOpened",
     "StatusRequest",
     "StatusResponse",

@@ -159,6 +159,10 @@ class OpenSession(_Span, Message):
     """Per row, how many of its first positions are padding, not tokens (a batch of prompts of
     different lengths, left-padded); () for none. The blocks never attend to them and count
     positions after them."""
+    upstream: str | None = spec(default=None, min_len=1, max_len=MAX_ID_LEN)
+    """The peer whose pushed steps this session takes: the hop before this one in the client's
+    route. Pushes from any other peer are refused. None: from any peer (clients before this
+    field; they are open to push spoofing)."""
 
     def check(self) -> None:
         super().check()

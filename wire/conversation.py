@@ -1,0 +1,406 @@
+"""The peer conversations as sans-IO state machines, one per role: inference (with push) and
+training. Feed each message in, get an event out, or a ConversationError saying which rule broke.
+
+Nothing here reads or writes: the server's handlers and the client's sessions move the messages
+and act on the events, so every ordering rule of docs/wire.md lives here, once.
+
+Inference, server side (`ServerInference`, one per session stream):
+
+    conv = ServerInference()
+    event = conv.receive(message)      # OpenRequested | StepRequested | CloseRequested
+    reply = conv.opened(max_length)    # the session is admitted: send reply (SessionOpened)
+    conv.receive_pushed(step, sender)  # a step pushed by another server: StepRequested(pushed)
+    if conv.start_step(step, pushed=...):   # right before running it: order and positions
+        ... run it ...                 # False: a stale pushed step, drop it
+
+Rules: OpenSession first; then Steps and at most one CloseSession, all naming the session's id.
+Step ids strictly increase over the whole session (steps sent by the client and steps pushed to
+it, in the order they run): a client draws them from one counter per session, whichever way a
+step reaches the server. `start_position` may not pass the cached tokens, and no step may bring
+the session past its max_length. A pushed step is taken only for an open session, only from the
+peer the client named as `upstream` in OpenSession (from any peer when it named none), and at
+most `max_pushed` may wait; one whose id is not past the last step run is stale (the client
+moved on and sent that step's successor itself) and dropped without error.
+
+Inference, client side (`ClientInference`, one per server session):
+
+    conv = ClientInference(request)    # the OpenSession sent
+    conv.received(reply)               # Opened | Refused
+    conv.sent_step(step_id)            # a Step sent to this server, or pushed to it for us
+    conv.received(reply)               # StepDone | LateReply (drop it, read on) | Refused
+    conv.cancelled(step_id)            # gave up on that step's reply (Ctrl-C, a broken chain)
+
+One step is in flight per session: sending a step gives up on any earlier one still unanswered.
+A reply to a step given up on is a LateReply, to drop: the server is healthy, only slow. A reply
+to a step never sent is UnexpectedReply (the server is confused or lying).
+
+Training (`ServerTraining`, `ClientTraining`): Forward -> ForwardResult, Backward ->
+BackwardResult, Error for either; one request at a time on a stream.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from wire.errors import ProtocolError
+from wire.peer_protocol import (
+    Backward,
+    BackwardResult,
+    CloseSession,
+    Error,
+    ErrorCode,
+    Forward,
+    ForwardResult,
+    OpenSession,
+    SessionOpened,
+    Step,
+    StepResult,
+)
+from wire.schema import Message
+
+# Pushed steps one session may have waiting. A client sends a session's next step only once it
+# has the last one's result, so more than a handful queued means a confused or hostile peer.
+MAX_PUSHED_QUEUED = 8
+
+
+class ConversationError(ProtocolError):
+    """A valid message that breaks a conversation's rules; `code` is the Error code to answer."""
+
+    code: ErrorCode = ErrorCode.BAD_REQUEST
+
+
+class OutOfTurn(ConversationError):
+    """A message this side does not take in the conversation's present phase."""
+
+
+class WrongSession(ConversationError):
+    """A message naming another session than the one of this conversation."""
+
+
+class StepOutOfOrder(ConversationError):
+    """A step id not past the last one of the session."""
+
+
+class BadStartPosition(ConversationError):
+    """A step starting past the cached tokens or reaching past the session's max_length."""
+
+
+class PushRefused(ConversationError):
+    """A pushed step from a peer other than the session's upstream, or for no open session."""
+
+
+class TooManyPushed(ConversationError):
+    """More pushed steps waiting for one session than may."""
+
+
+class UnexpectedReply(ConversationError):
+    """A reply to a request this side never sent (or of the wrong kind)."""
+
+
+class Phase(enum.Enum):
+    AWAITING_OPEN = "awaiting_open"  # server: nothing received yet
+    OPENING = "opening"  # OpenSession sent or received, no answer yet
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+# --- events -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpenRequested:
+    request: OpenSession
+
+
+@dataclass(frozen=True)
+class StepRequested:
+    step: Step
+    pushed: bool = False  # came over a push stream from the upstream server
+
+
+@dataclass(frozen=True)
+class CloseRequested:
+    pass
+
+
+@dataclass(frozen=True)
+class Opened:
+    reply: SessionOpened
+
+
+@dataclass(frozen=True)
+class StepDone:
+    result: StepResult
+
+
+@dataclass(frozen=True)
+class LateReply:
+    """The reply to a step given up on: drop it and read on."""
+
+    result: StepResult
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The server refused the request or ended the session; the conversation is over."""
+
+    error: Error
+
+
+@dataclass(frozen=True)
+class TrainingRequested:
+    request: Forward | Backward
+
+
+@dataclass(frozen=True)
+class TrainingDone:
+    result: ForwardResult | BackwardResult
+
+
+ServerEvent = OpenRequested | StepRequested | CloseRequested
+ClientEvent = Opened | StepDone | LateReply | Refused
+
+
+def _out_of_turn(who: str, message: Message, phase: Phase, expected: str) -> OutOfTurn:
+    return OutOfTurn(
+        f"{who} expected {expected} while the session is {phase.value}, got "
+        f"{type(message).__name__}"
+    )
+
+
+# --- inference, server side ---------------------------------------------------------------------
+
+
+@dataclass
+class ServerInference:
+    """The server's side of one inference session: its client's stream and the steps pushed to
+    it. See the module docstring for the rules."""
+
+    max_pushed: int = MAX_PUSHED_QUEUED
+    phase: Phase = Phase.AWAITING_OPEN
+    request: OpenSession | None = None
+    max_length: int = 0  # tokens reserved (from `opened`)
+    position: int = 0  # tokens cached once the steps started so far have run
+    last_step_id: int = -1
+    pushed_waiting: int = 0
+
+    def receive(self, message: Message) -> ServerEvent:
+        """A message from the client's own stream."""
+        if self.phase is Phase.AWAITING_OPEN:
+            if not isinstance(message, OpenSession):
+                raise _out_of_turn("the server", message, self.phase, "OpenSession")
+            self.phase, self.request = Phase.OPENING, message
+            return OpenRequested(message)
+        if self.phase is not Phase.OPEN or not isinstance(message, Step | CloseSession):
+            raise _out_of_turn("the server", message, self.phase, "Step or CloseSession")
+        self._check_session(message.session_id)
+        if isinstance(message, CloseSession):
+            self.phase = Phase.CLOSED
+            return CloseRequested()
+        return StepRequested(message)
+
+    def opened(self, max_length: int) -> SessionOpened:
+        """The session was admitted with `max_length` tokens: the reply to send."""
+        if self.phase is not Phase.OPENING or self.request is None:
+            raise OutOfTurn(f"cannot open a session that is {self.phase.value}")
+        self.phase, self.max_length = Phase.OPEN, max_length
+        return SessionOpened(session_id=self.request.session_id, max_length=max_length)
+
+    def close(self) -> None:
+        """The session ended (refused, failed, closed): it takes nothing more."""
+        self.phase = Phase.CLOSED
+
+    def receive_pushed(self, step: Step, sender: str) -> StepRequested:
+        """A step another server pushed for this session: taken to wait for its turn."""
+        if self.phase is not Phase.OPEN or self.request is None:
+            raise PushRefused(f"no open session {step.session_id[:12]} to push into")
+        self._check_session(step.session_id)
+        upstream = self.request.upstream
+        if upstream is not None and sender != upstream:
+            raise PushRefused(
+                f"session {step.session_id[:12]} takes pushed steps only from {upstream}, the "
+                f"hop before it in its client's route; {sender} is not"
+            )
+        if self.pushed_waiting >= self.max_pushed:
+            raise TooManyPushed(
+                f"more than {self.max_pushed} pushed steps wait for session "
+                f"{step.session_id[:12]}: send a session's next step only after its result"
+            )
+        self.pushed_waiting += 1
+        return StepRequested(step, pushed=True)
+
+    def start_step(self, step: Step, *, pushed: bool = False) -> bool:
+        """Check a step's id and positions right before it runs (steps run one at a time, in
+        this order) and count its tokens as cached. False: a stale pushed step, to drop."""
+        if pushed:
+            self.pushed_waiting = max(0, self.pushed_waiting - 1)
+        if self.phase is not Phase.OPEN:
+            raise OutOfTurn(f"a step for a session that is {self.phase.value}")
+        if step.step_id <= self.last_step_id:
+            if pushed:
+                return False
+            raise StepOutOfOrder(
+                f"step {step.step_id} after step {self.last_step_id}: step ids must increase "
+                "within a session"
+            )
+        self._check_positions(step)
+        self.last_step_id = step.step_id
+        start = self.position if step.start_position is None else step.start_position
+        self.position = start + int(step.hidden_states.shape[1])
+        return True
+
+    def _check_positions(self, step: Step) -> None:
+        position, tokens = self.position, int(step.hidden_states.shape[1])
+        if step.start_position is not None:
+            if step.start_position > position:
+                raise BadStartPosition(
+                    f"start_position {step.start_position} is past the session's {position} "
+                    "cached tokens"
+                )
+            position = step.start_position
+        if position + tokens > self.max_length:
+            raise BadStartPosition(
+                f"this step would bring the session to {position + tokens} tokens, past its "
+                f"max_length of {self.max_length}; open a session with a larger max_length"
+            )
+
+    def _check_session(self, session_id: str) -> None:
+        assert self.request is not None
+        if session_id != self.request.session_id:
+            raise WrongSession(
+                f"a message for session {session_id[:12]} on the stream of session "
+                f"{self.request.session_id[:12]}"
+            )
+
+
+# --- inference, client side ---------------------------------------------------------------------
+
+
+@dataclass
+class ClientInference:
+    """The client's side of one inference session on one server. See the module docstring."""
+
+    request: OpenSession
+    phase: Phase = Phase.OPENING
+    max_length: int = 0
+    last_step_id: int = -1
+    owed: int | None = None  # the step whose reply we wait for
+    abandoned: set[int] = field(default_factory=set)  # steps whose late replies we drop
+
+    @property
+    def session_id(self) -> str:
+        return self.request.session_id
+
+    def received(self, message: Message) -> ClientEvent:
+        """A message from the server on this session's stream."""
+        if self.phase is Phase.CLOSED:
+            raise _out_of_turn("the client", message, self.phase, "nothing")
+        if isinstance(message, Error):
+            self.phase = Phase.CLOSED
+            return Refused(message)
+        if self.phase is Phase.OPENING:
+            if not isinstance(message, SessionOpened):
+                raise _out_of_turn("the client", message, self.phase, "SessionOpened or Error")
+            self._check_session(message.session_id)
+            self.phase, self.max_length = Phase.OPEN, message.max_length
+            return Opened(message)
+        if not isinstance(message, StepResult):
+            raise _out_of_turn("the client", message, self.phase, "StepResult or Error")
+        self._check_session(message.session_id)
+        return self._step_reply(message)
+
+    def _step_reply(self, result: StepResult) -> StepDone | LateReply:
+        if result.step_id == self.owed:
+            self.owed = None
+            # A server answers in order: replies to steps before this one will never come.
+            self.abandoned = {s for s in self.abandoned if s > result.step_id}
+            return StepDone(result)
+        if result.step_id in self.abandoned:
+            self.abandoned.discard(result.step_id)
+            return LateReply(result)
+        raise UnexpectedReply(
+            f"a reply to step {result.step_id}, which this client never sent (waiting for "
+            f"{self.owed})"
+        )
+
+    def sent_step(self, step_id: int) -> None:
+        """A step for this session was sent to its server (or pushed there on our behalf);
+        any earlier step still unanswered is given up on."""
+        if self.phase is not Phase.OPEN:
+            raise OutOfTurn(f"cannot step a session that is {self.phase.value}")
+        if step_id <= self.last_step_id:
+            raise StepOutOfOrder(
+                f"step {step_id} after step {self.last_step_id}: step ids must increase within "
+                "a session (draw them from one counter, whether a step is sent or pushed)"
+            )
+        if self.owed is not None:
+            self.abandoned.add(self.owed)
+        self.last_step_id, self.owed = step_id, step_id
+
+    def cancelled(self, step_id: int) -> None:
+        """We stopped waiting for `step_id`'s reply: it is dropped when it comes."""
+        if self.owed == step_id:
+            self.owed = None
+            self.abandoned.add(step_id)
+
+    def closing(self) -> CloseSession:
+        """The message that ends the session; the conversation takes nothing after it."""
+        self.phase = Phase.CLOSED
+        return CloseSession(session_id=self.session_id)
+
+    def _check_session(self, session_id: str) -> None:
+        if session_id != self.session_id:
+            raise WrongSession(
+                f"a reply for session {session_id[:12]} on the stream of session "
+                f"{self.session_id[:12]}"
+            )
+
+
+# --- training -----------------------------------------------------------------------------------
+
+
+@dataclass
+class ServerTraining:
+    """The server's side of a training stream: Forward and Backward requests, each answered in
+    turn. A message of another kind breaks this rule alone: answer the Error, read on."""
+
+    requests: int = 0
+
+    def receive(self, message: Message) -> TrainingRequested:
+        if not isinstance(message, Forward | Backward):
+            raise OutOfTurn(
+                "expected Forward or Backward on the training protocol, got "
+                f"{type(message).__name__}"
+            )
+        self.requests += 1
+        return TrainingRequested(message)
+
+
+@dataclass
+class ClientTraining:
+    """The client's side of a training stream: one request at a time, its reply of the kind
+    asked (ForwardResult for Forward, BackwardResult for Backward) or an Error."""
+
+    pending: Forward | Backward | None = None
+
+    def sent(self, request: Forward | Backward) -> None:
+        if self.pending is not None:
+            raise OutOfTurn(
+                f"a {type(request).__name__} sent while a {type(self.pending).__name__} waits "
+                "for its reply"
+            )
+        self.pending = request
+
+    def received(self, message: Message) -> TrainingDone | Refused:
+        pending, self.pending = self.pending, None
+        if pending is None:
+            raise UnexpectedReply(f"a {type(message).__name__} with no request waiting")
+        if isinstance(message, Error):
+            return Refused(message)
+        wanted = ForwardResult if isinstance(pending, Forward) else BackwardResult
+        if not isinstance(message, wanted):
+            raise UnexpectedReply(
+                f"a {type(pending).__name__} answered with {type(message).__name__}"
+            )
+        return TrainingDone(message)
