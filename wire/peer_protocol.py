@@ -299,6 +299,7 @@ class ErrorCode(enum.StrEnum):
     CONNECTION_CLOSED = "connection_closed"  # the other side hung up mid-conversation
     BAD_REPLY = "bad_reply"  # the other side answered out of turn or with the wrong message
     NO_DAEMON = "no_daemon"  # no daemon listens on the socket
+    FORWARD_NOT_FOUND = "forward_not_found"  # TrainingBackward names no forward this client ran
 
 
 @message("error")
