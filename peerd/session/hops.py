@@ -2,17 +2,17 @@
 over a libp2p stream or, for this daemon's own server, called in process.
 
 What counts against a server is decided here: a dead or silent stream (PeerGone), bytes that are
-not a valid message (wire.ProtocolError), an Error reply, a dial that fails or times out, or a
-reply to a step we never sent. Any other exception is our own bug and propagates as itself, so
-it never bans a healthy server.
+not a valid message or a message out of turn (wire.ProtocolError; the conversation's rules in
+wire.conversation raise it), an Error reply, a dial that fails or times out. Any other exception
+is our own bug and propagates as itself, so it never bans a healthy server.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,6 +27,7 @@ from peerd.node.p2p import INFERENCE_PROTOCOL
 from peerd.node.streams import MessageStream, PeerGone
 from peerd.session.local import LocalSteps
 from routing.planner import RouteHop
+from wire.conversation import ClientInference, LateReply, Refused, StepDone
 from wire.peer_protocol import CompressionName
 
 if TYPE_CHECKING:  # the swarm view asks servers for records with the faults named here
@@ -73,48 +74,28 @@ async def dial(
 
 
 @dataclass
-class StepReplies:
-    """The step ids a hop's stream owes us a reply for, and the one place that tells our reply
-    from a late one: a step abandoned by a cancel (Ctrl-C in `peerd chat`) or by a broken push
-    chain is still answered by a healthy server, and that answer must be dropped, not read as
-    the answer to the next step. A reply to a step we never sent is the server's fault."""
-
-    owed: dict[int, None] = field(default_factory=dict)  # insertion-ordered set
-
-    # Replies that may still come (a push that died half-way may never arrive): kept bounded.
-    MAX_OWED = 64
-
-    def sent(self, step_id: int) -> None:
-        self.owed[step_id] = None
-        while len(self.owed) > self.MAX_OWED:
-            del self.owed[next(iter(self.owed))]
-
-    def is_ours(self, reply: wire.StepResult, step_id: int, peer_id: str) -> bool:
-        """True for the reply to `step_id`; False for a late reply to an abandoned step (drop
-        it); ProtocolError for a reply to no step of ours."""
-        if reply.step_id not in self.owed:
-            raise wire.ProtocolError(f"{peer_id} answered step {reply.step_id}, never sent")
-        del self.owed[reply.step_id]
-        if reply.step_id == step_id:
-            return True
-        log.debug("dropped %s's late reply to abandoned step %d", peer_id, reply.step_id)
-        return False
-
-
-@dataclass
 class HopSession:
-    """An open session on one remote server for blocks [start, end)."""
+    """An open session on one remote server for blocks [start, end).
+
+    Its conversation (wire.conversation.ClientInference) tells our reply from a late one: a step
+    abandoned by a cancel (Ctrl-C in `peerd chat`) or by a broken push chain is still answered by
+    a healthy server, and that answer is dropped, not read as the answer to the next step."""
 
     hop: RouteHop
     stream: MessageStream
-    session_id: str
-    step_ids: itertools.count = field(default_factory=itertools.count)
+    conversation: ClientInference
+    # The session's one counter, shared by all its hops: step ids increase over a session
+    # whether a step is sent to a server or pushed to it by the one before.
+    step_ids: Iterator[int]
     timeout: float = STEP_TIMEOUT_S
-    replies: StepReplies = field(default_factory=StepReplies)
 
     @property
     def peer_id(self) -> str:
         return self.hop.peer_id
+
+    @property
+    def session_id(self) -> str:
+        return self.conversation.session_id
 
     async def step(
         self, hidden: torch.Tensor, codec: CompressionName, start_position: int | None = None
@@ -139,7 +120,7 @@ class HopSession:
             start_position=start_position,
             next_hops=next_hops,
         )
-        self.replies.sent(step_id)
+        self.conversation.sent_step(step_id)
         # Shielded: a cancel half-way through a frame would leave the stream unreadable for
         # the server, which would then end the session as broken.
         with trio.CancelScope(shield=True):
@@ -151,20 +132,27 @@ class HopSession:
 
     def expect(self, step_id: int) -> None:
         """A step pushed to this hop by the previous server: its reply comes on our stream."""
-        self.replies.sent(step_id)
+        self.conversation.sent_step(step_id)
 
     async def receive_result(self, step_id: int) -> wire.StepResult:
-        """The reply to `step_id`, dropping late replies to steps abandoned before it."""
-        while True:
-            reply = await self.stream.receive(self.timeout)
-            if isinstance(reply, wire.Error):
-                raise PeerGone(f"{self.peer_id} refused the step: {reply.message}")
-            if not isinstance(reply, wire.StepResult):
-                raise wire.ProtocolError(
-                    f"{self.peer_id} answered step {step_id} with {type(reply).__name__}"
-                )
-            if self.replies.is_ours(reply, step_id, self.peer_id):
-                return reply
+        """The reply to `step_id`, dropping late replies to steps abandoned before it; a step
+        whose reply we stop waiting for (cancelled, failed) is abandoned in turn."""
+        try:
+            while True:
+                event = self.conversation.received(await self.stream.receive(self.timeout))
+                if isinstance(event, Refused):
+                    raise PeerGone(f"{self.peer_id} refused the step: {event.error.message}")
+                if isinstance(event, LateReply):
+                    log.debug(
+                        "dropped %s's late reply to step %d", self.peer_id, event.result.step_id
+                    )
+                    continue
+                if not isinstance(event, StepDone) or event.result.step_id != step_id:
+                    raise wire.ProtocolError(f"{self.peer_id} answered step {step_id} with {event}")
+                return event.result
+        except BaseException:
+            self.conversation.cancelled(step_id)
+            raise
 
     def as_next_hop(self) -> wire.NextHop:
         return wire.NextHop(
@@ -178,7 +166,7 @@ class HopSession:
     async def close(self) -> None:
         try:
             with trio.move_on_after(1):
-                await self.stream.send(wire.CloseSession(session_id=self.session_id))
+                await self.stream.send(self.conversation.closing())
         except PeerGone:
             pass
         await self.stream.close()
@@ -224,9 +212,11 @@ class HopOptions:
     request_timeout: float = STEP_TIMEOUT_S
 
 
-async def open_hop(swarm: SwarmView, hop: RouteHop, options: HopOptions) -> Hop:
-    """Open a session on the hop's server: HopRefused when it is alive but says no, PeerGone or
-    ProtocolError when it fails."""
+async def open_hop(
+    swarm: SwarmView, hop: RouteHop, options: HopOptions, step_ids: Iterator[int]
+) -> Hop:
+    """Open a session on the hop's server, its steps numbered from `step_ids`: HopRefused when
+    the server is alive but says no, PeerGone or ProtocolError when it fails."""
     request = wire.OpenSession(
         session_id=uuid.uuid4().hex,
         model=options.model,
@@ -247,21 +237,17 @@ async def open_hop(swarm: SwarmView, hop: RouteHop, options: HopOptions) -> Hop:
             raise HopRefused(f"our own server refused the session: {e}") from e
     deadline = trio.current_time() + options.connect_timeout
     stream = await dial(swarm, hop, INFERENCE_PROTOCOL, options.connect_timeout)
+    conversation = ClientInference(request)
     try:
         await stream.send(request)
         # The reply may take the connect time plus the time we offered to wait in its queue.
         wait = max(0.0, deadline - trio.current_time()) + ADMISSION_WAIT_S
-        reply = await stream.receive(wait)
+        event = conversation.received(await stream.receive(wait))  # Opened or Refused
     except BaseException:
         with trio.CancelScope(shield=True):
             await stream.close()
         raise
-    if isinstance(reply, wire.Error):
+    if isinstance(event, Refused):
         await stream.close()
-        raise HopRefused(f"{hop.peer_id} refused the session: {reply.message}")
-    if not isinstance(reply, wire.SessionOpened):
-        await stream.close()
-        raise wire.ProtocolError(f"expected SessionOpened, got {type(reply).__name__}")
-    return HopSession(
-        hop=hop, stream=stream, session_id=request.session_id, timeout=options.request_timeout
-    )
+        raise HopRefused(f"{hop.peer_id} refused the session: {event.error.message}")
+    return HopSession(hop, stream, conversation, step_ids, timeout=options.request_timeout)

@@ -170,7 +170,7 @@ class InferenceSession:
             if not finished:
                 # Cancelled (Ctrl-C) or failed part-way: some hops may hold this step's tokens.
                 # The next step starts every hop at our position; late replies to this one are
-                # dropped by step id (peerd.session.hops.StepReplies).
+                # dropped by step id (wire.conversation.ClientInference).
                 self.rollback(self.position)
         self._rewind_to = None
         self.position += hidden.shape[1]

@@ -8,6 +8,7 @@ rebuilt elsewhere; the step runner (peerd.session.steps) tells it what each hop 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -57,6 +58,7 @@ class RouteKeeper:
         # inputs[b]: every hidden state sent into block b so far, concatenated over positions.
         self.inputs: dict[int, torch.Tensor] = {}
         self.failures = 0
+        self.step_ids = itertools.count()  # one counter for every step of the session
         self._reported: Hop | None = None  # the hop being replaced (already counted as failed)
 
     async def open(self) -> None:
@@ -73,7 +75,7 @@ class RouteKeeper:
 
     async def open_hop(self, hop: RouteHop) -> Hop:
         """A session on one server with this route's options (the verifier opens its own)."""
-        return await open_hop(self.swarm, hop, self.options)
+        return await open_hop(self.swarm, hop, self.options, self.step_ids)
 
     # --- the input history ------------------------------------------------------------------
 

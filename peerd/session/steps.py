@@ -8,7 +8,6 @@ that hop on the replacement.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Awaitable, Callable
 
 import torch
@@ -30,7 +29,6 @@ class StepRunner:
         self.codec = codec
         self.push = push
         self.hooks: list[StepHook] = []
-        self._push_ids = itertools.count(1 << 40)  # apart from each hop's own step ids
 
     async def run(
         self, hidden: torch.Tensor, first_position: int, rewind: int | None
@@ -75,7 +73,7 @@ class StepRunner:
         the next and also answers us, so a step costs one pass through the chain and we still
         hold every hop's input for failover. Returns (first hop not done, its input)."""
         hops = [hop for hop in self.route.hops if isinstance(hop, HopSession)]
-        step_id = next(self._push_ids)
+        step_id = next(self.route.step_ids)
         chain = tuple(hop.as_next_hop() for hop in hops[1:])
         for hop in hops[1:]:
             hop.expect(step_id)  # their replies to the pushed step come on their streams
