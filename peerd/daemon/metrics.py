@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 if TYPE_CHECKING:
+    from peerd.daemon.local_api import LocalApi
     from peerd.daemon.main import Daemon
+    from peerd.server.block_server import BlockServer
 
 log = logging.getLogger(__name__)
 
@@ -90,17 +92,31 @@ class TokenRate:
 def daemon_metrics(daemon: Daemon, rate: TokenRate) -> list[Metric]:
     """Everything an operator graphs, read off a running daemon."""
     server = daemon.server
-    counters = server.counters if server is not None else None
-    cache = server.cache if server is not None else None
+    return [
+        _identity(daemon),
+        *_sessions(server),
+        *_load(server, rate),
+        *_node(daemon),
+        *_local_api(daemon.api),
+        *([_state(server)] if server is not None else []),
+        _errors(server),
+    ]
+
+
+def _identity(daemon: Daemon) -> Metric:
     node = daemon.node
-    api = daemon.api
-    out = [
-        Metric("peerd_info", "gauge", "This daemon; the labels say which.").add(
-            1,
-            version=daemon_version(),
-            model=daemon.model,
-            peer_id=node.peer_id.to_string() if node is not None else "",
-        ),
+    return Metric("peerd_info", "gauge", "This daemon; the labels say which.").add(
+        1,
+        version=daemon_version(),
+        model=daemon.model,
+        peer_id=node.peer_id.to_string() if node is not None else "",
+    )
+
+
+def _sessions(server: BlockServer | None) -> list[Metric]:
+    """What the block server ran for its clients."""
+    counters = server.counters if server is not None else None
+    return [
         Metric("peerd_sessions_open", "gauge", "Inference sessions open on this server.").add(
             server.open_sessions if server is not None else 0
         ),
@@ -123,11 +139,18 @@ def daemon_metrics(daemon: Daemon, rate: TokenRate) -> list[Metric]:
             "counter",
             "Steps that ran in one forward with other sessions' steps (batching).",
         ).add(server.batcher.counters.merged_steps if server is not None else 0),
+    ]
+
+
+def _load(server: BlockServer | None, rate: TokenRate) -> list[Metric]:
+    """Tokens through the server's blocks, its announced speed, and its KV cache."""
+    cache = server.cache if server is not None else None
+    return [
         Metric(
             "peerd_tokens_served_total",
             "counter",
             "Tokens (batch x positions) that went through this server's blocks.",
-        ).add(counters.tokens_processed if counters else 0),
+        ).add(server.counters.tokens_processed if server is not None else 0),
         Metric(
             "peerd_tokens_per_second",
             "gauge",
@@ -144,6 +167,13 @@ def daemon_metrics(daemon: Daemon, rate: TokenRate) -> list[Metric]:
         Metric("peerd_cache_tokens_free", "gauge", "KV cache tokens free for new sessions.").add(
             cache.free_tokens if cache is not None else 0
         ),
+    ]
+
+
+def _node(daemon: Daemon) -> list[Metric]:
+    """The compute queue, the libp2p host's peers and the swarm as this daemon sees it."""
+    node = daemon.node
+    return [
         Metric(
             "peerd_compute_queue_depth", "gauge", "Compute jobs running or waiting for the device."
         ).add(daemon.compute.depth),
@@ -159,6 +189,11 @@ def daemon_metrics(daemon: Daemon, rate: TokenRate) -> list[Metric]:
         Metric("peerd_relayed_connections", "gauge", "Peers reached only through a relay.").add(
             _relayed_peers(daemon)
         ),
+    ]
+
+
+def _local_api(api: LocalApi | None) -> list[Metric]:
+    return [
         Metric(
             "peerd_generations_total", "counter", "Generations the local API served (Generate)."
         ).add(api.generations if api is not None else 0),
@@ -166,15 +201,20 @@ def daemon_metrics(daemon: Daemon, rate: TokenRate) -> list[Metric]:
             api.connections if api is not None else 0
         ),
     ]
+
+
+def _state(server: BlockServer) -> Metric:
+    state = Metric("peerd_server_state", "gauge", "1 for the server's current state.")
+    for name in ("joining", "online", "draining"):
+        state.add(1 if server.state.value == name else 0, state=name)
+    return state
+
+
+def _errors(server: BlockServer | None) -> Metric:
     errors = Metric("peerd_errors_total", "counter", "Requests this server refused, by code.")
-    for code, count in sorted((counters.errors if counters else {}).items()):
+    for code, count in sorted((server.counters.errors if server is not None else {}).items()):
         errors.add(count, code=code)
-    if server is not None:
-        state = Metric("peerd_server_state", "gauge", "1 for the server's current state.")
-        for name in ("joining", "online", "draining"):
-            state.add(1 if server.state.value == name else 0, state=name)
-        out.append(state)
-    return [*out, errors]
+    return errors
 
 
 def daemon_version() -> str:
