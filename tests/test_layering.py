@@ -10,6 +10,7 @@ watch it fail.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -249,3 +250,12 @@ GOOD_EDGES = [
 @pytest.mark.parametrize(("source", "target"), GOOD_EDGES)
 def test_an_allowed_edge_passes(graph: dict[str, set[str]], source: str, target: str) -> None:
     assert layering_violations({**graph, source: {target}}) == []
+
+
+@pytest.mark.parametrize("top", TOPS[1:])
+def test_each_top_folder_is_ours_when_imported(top: str) -> None:
+    """Every top folder is a regular package, so a namesake in site-packages cannot shadow it
+    (py-libp2p installs an `examples` package: `python -m examples.ptune` then failed)."""
+    assert (ROOT / top / "__init__.py").exists()
+    spec = importlib.util.find_spec(top)
+    assert spec is not None and spec.origin == str(ROOT / top / "__init__.py")
