@@ -23,7 +23,6 @@ ALLOWLIST: dict[str, str] = {
     "cli.py::generate": "61 lines: options parsing and output in one command",
     "cli.py::start": "106 lines: config from options, the daemon, its errors, in one command",
     "blocks/lora.py::read_adapter": "74 lines: reads, checks and converts an adapter in one pass",
-    "peerd/daemon/metrics.py::daemon_metrics": "88 lines: every metric family written out",
     "peerd/sdk/model.py": "801 lines: the transformers model, its generation and prompt tuning",
     "peerd/sdk/model.py::DistributedModelForCausalLM.forward": "87 lines: every forward mode",
     "peerd/sdk/model.py::DistributedModelForCausalLM.from_pretrained": "68 lines: checks + setup",
