@@ -24,6 +24,7 @@ from transformers import (
 import blocks
 from blocks import checkpoint as checkpoint_module
 from blocks.default_model import convert_once
+from tests.numeric import CHAINED, SAME, assert_close_scaled
 
 VOCAB = 96
 # Large initial weights and untied heads keep these random models from repeating one token.
@@ -136,12 +137,12 @@ def test_span_chain_with_cache_matches_full_forward(tiny: dict[str, Path], name:
         hidden = client.embed(ids)
         for span in spans:
             hidden = span(hidden)
-        torch.testing.assert_close(client.logits(hidden), want, atol=1e-4, rtol=0)
+        assert_close_scaled(client.logits(hidden), want)
         # Prefill 22 tokens, then decode one at a time.
         got = [client.logits(_through(spans, client.embed(ids[:, :22]), sessions))]
         for t in range(22, 30):
             got.append(client.logits(_through(spans, client.embed(ids[:, t : t + 1]), sessions)))
-    torch.testing.assert_close(torch.cat(got, dim=1), want, atol=1e-4, rtol=0)
+    assert_close_scaled(torch.cat(got, dim=1), want, rel=CHAINED)
     assert all(s.position == 30 for s in sessions)
 
 
@@ -186,8 +187,8 @@ def test_rollback_then_new_turn_matches_full_forward(tiny: dict[str, Path], name
             hidden = span(hidden)
         want = reference(sequence).logits[:, -6:]
     # The same blocks without cache over the kept sequence, and transformers' own model.
-    torch.testing.assert_close(got, client.logits(hidden)[:, -6:], atol=1e-4, rtol=0)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert_close_scaled(got, client.logits(hidden)[:, -6:], rel=CHAINED)
+    assert_close_scaled(got, want, rel=CHAINED)
     assert all(s.position == 16 for s in sessions)
 
 
@@ -202,7 +203,7 @@ def test_batched_session_matches_one_sequence_at_a_time(tiny: dict[str, Path]) -
     for row in range(2):
         with torch.no_grad(), cache.open_session(1, 16) as one:
             alone = span(hidden[row : row + 1], one)
-        torch.testing.assert_close(together[row : row + 1], alone, atol=1e-4, rtol=0)
+        assert_close_scaled(together[row : row + 1], alone)
     assert cache.used_tokens == 0
 
 
@@ -237,7 +238,7 @@ def test_steps_of_several_sessions_in_one_forward_match_each_alone(
             for g, w in zip(got, want, strict=True):
                 # fp32 rounding of a differently shaped matmul only: these random models'
                 # activations reach 100, so the bound is relative to the output's scale.
-                assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())
+                assert_close_scaled(g, w)
     assert [s.position for s in merged] == [s.position for s in alone] == [11, 8, 13]
 
 
@@ -304,7 +305,7 @@ def test_sub_span_shares_weights_and_runs_like_the_blocks_it_holds(tiny: dict[st
     assert (part.start, part.end) == (2, 4) and part.layers[0] is span.layers[1]
     hidden = torch.randn(1, 5, 32)
     with torch.no_grad():
-        torch.testing.assert_close(part(hidden), blocks.load_span(tiny["llama"], 2, 4)(hidden))
+        assert_close_scaled(part(hidden), blocks.load_span(tiny["llama"], 2, 4)(hidden), rel=SAME)
     with pytest.raises(ValueError, match="not within"):
         span.sub_span(0, 2)
 
@@ -428,15 +429,18 @@ def test_sharded_checkpoint_loads_the_same(tiny: dict[str, Path], tmp_path: Path
     assert (sharded / "model.safetensors.index.json").is_file()
     hidden = torch.randn(1, 5, 32)
     with torch.no_grad():
-        torch.testing.assert_close(
-            blocks.load_span(sharded, 1, 4)(hidden), blocks.load_span(tiny["llama"], 1, 4)(hidden)
+        assert_close_scaled(
+            blocks.load_span(sharded, 1, 4)(hidden),
+            blocks.load_span(tiny["llama"], 1, 4)(hidden),
+            rel=SAME,
         )
         ids = torch.tensor([[1, 2, 3]])
-        torch.testing.assert_close(
+        assert_close_scaled(
             blocks.load_client_side(sharded).logits(blocks.load_client_side(sharded).embed(ids)),
             blocks.load_client_side(tiny["llama"]).logits(
                 blocks.load_client_side(tiny["llama"]).embed(ids)
             ),
+            rel=SAME,
         )
 
 
@@ -457,7 +461,7 @@ def test_checkpoint_without_the_root_prefix_loads_the_same(
         return client.logits(blocks.load_span(path, 0, 4)(client.embed(ids)))
 
     with torch.no_grad():
-        torch.testing.assert_close(logits(tmp_path), logits(source))
+        assert_close_scaled(logits(tmp_path), logits(source), rel=SAME)
 
 
 class _RecordingSafeOpen:

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 import blocks
 from blocks import checkpoint as checkpoint_module
+from tests.numeric import assert_close_scaled
 from tests.test_blocks import _RecordingSafeOpen
 
 pytestmark = pytest.mark.slow
@@ -154,4 +155,4 @@ def test_merged_decode_steps_of_four_sessions_match_each_alone(default_model: Pa
         want = [span(h, s) for h, s in zip(steps, alone, strict=True)]
         got = span.forward_batch(list(zip(steps, merged, strict=True)))
     for g, w in zip(got, want, strict=True):
-        assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())
+        assert_close_scaled(g, w)
