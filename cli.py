@@ -13,6 +13,8 @@ from typing import Any
 
 import typer
 
+from peerd.daemon.commands import service_app, start
+
 # Compute hops of one generation run one after another in different processes on the same cores;
 # OpenMP threads that spin after their work would steal the core from the next hop.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -24,9 +26,6 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks that report ratios measured side by side in one run.")
 app.add_typer(bench_app, name="bench")
-service_app = typer.Typer(
-    help="A systemd unit that keeps `peerd start ...` running (docs/operations.md)."
-)
 app.add_typer(service_app, name="service")
 
 
@@ -38,113 +37,7 @@ def _print_report(report: dict, as_json: bool) -> None:
         typer.echo(f"{key}: {value}")
 
 
-@app.command()
-def start(
-    model: str = typer.Option(
-        "default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint dir."
-    ),
-    blocks: str = typer.Option(
-        "auto", help="Blocks to serve: auto (what fits, where the swarm is weakest), N, or a:b."
-    ),
-    new_swarm: bool = typer.Option(False, "--new-swarm", help="Start a new swarm (no peers)."),
-    initial_peers: list[str] = typer.Option(
-        [], "--initial-peers", help="Full multiaddr of a peer to join through (repeatable)."
-    ),
-    port: int = typer.Option(0, help="TCP port to listen on (0: any free port)."),
-    host_maddrs: list[str] = typer.Option([], "--host-maddrs", help="Listen multiaddrs."),
-    identity: Path | None = typer.Option(None, help="Identity file (created on first use)."),
-    throughput: str = typer.Option("auto", help="auto (measure once, cached) or tokens/s."),
-    memory_budget: int | None = typer.Option(
-        None, help="Bytes for weights + cache with --blocks auto (default: half of free RAM)."
-    ),
-    cache_tokens: int = typer.Option(16384, min=1, help="KV cache budget in tokens."),
-    refresh_period: float = typer.Option(60.0, min=0.1, help="Seconds between DHT announces."),
-    rebalance_period: float = typer.Option(
-        120.0, min=0.1, help="With --blocks auto or N: seconds between checks for a better span."
-    ),
-    torch_threads: int | None = typer.Option(None, min=1, help="torch threads for compute."),
-    socket: Path | None = typer.Option(
-        None, help="Local API socket (default: $XDG_RUNTIME_DIR/peerd/peerd.sock)."
-    ),
-    log_level: str = typer.Option("info", help="debug, info, warning or error."),
-    drain_timeout: float = typer.Option(
-        30.0, min=0.0, help="On SIGTERM: seconds open sessions may go on before they move."
-    ),
-    metrics_port: int | None = typer.Option(
-        None, min=0, max=65535, help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics."
-    ),
-    mdns: bool = typer.Option(
-        False, "--mdns", help="Find and join peers on the LAN (no --initial-peers needed)."
-    ),
-    swarm_name: str = typer.Option(
-        "", "--swarm", help="Name of a private swarm: daemons of other swarms are never used."
-    ),
-    adapters: list[Path] = typer.Option(
-        [], "--adapters", help="PEFT LoRA adapter dir to serve, known by its name (repeatable)."
-    ),
-    verify: float = typer.Option(
-        0.0,
-        "--verify",
-        min=0.0,
-        max=1.0,
-        help="Re-run this fraction of generation steps on a second server and ban liars.",
-    ),
-    batching: bool = typer.Option(
-        True, "--batching/--no-batching", help="Merge concurrent clients' steps into one forward."
-    ),
-    reachability: str = typer.Option(
-        "auto",
-        help="auto (peers dial us back: AutoNAT), public, or private (behind NAT: use relays).",
-    ),
-) -> None:
-    """Serve blocks of a model to the swarm and route generations for local clients."""
-    from peerd.daemon.main import DaemonConfig, DaemonError, configure_logging, run
-    from peerd.node.p2p import BadMultiaddr
-
-    configure_logging(log_level)
-    if not new_swarm and not initial_peers and not mdns:
-        raise typer.BadParameter(
-            "give --initial-peers MULTIADDR to join a swarm, --new-swarm to start one, or --mdns "
-            "to find one on the LAN",
-            param_hint="--initial-peers",
-        )
-    if new_swarm and initial_peers:
-        raise typer.BadParameter("--new-swarm takes no --initial-peers", param_hint="--new-swarm")
-    config = DaemonConfig(
-        model=model,
-        blocks=None if blocks == "none" else blocks,
-        new_swarm=new_swarm,
-        initial_peers=list(initial_peers),
-        port=port,
-        host_maddrs=list(host_maddrs),
-        identity=identity,
-        throughput=throughput,
-        memory_budget=memory_budget,
-        cache_tokens=cache_tokens,
-        refresh_period=refresh_period,
-        rebalance_period=rebalance_period,
-        torch_threads=torch_threads,
-        socket=socket,
-        drain_deadline=drain_timeout,
-        metrics_port=metrics_port,
-        mdns=mdns,
-        swarm_name=swarm_name,
-        adapters=list(adapters),
-        verify_fraction=verify,
-        batching=batching,
-        reachability=reachability,
-    )
-    if reachability not in ("auto", "public", "private"):
-        raise typer.BadParameter(
-            f"{reachability!r}: expected auto, public or private", param_hint="--reachability"
-        )
-    try:
-        run(config)
-    except (DaemonError, BadMultiaddr, OSError) as e:
-        typer.echo(f"peerd start: {e}", err=True)
-        raise typer.Exit(2) from None
-    except KeyboardInterrupt:
-        pass
+app.command()(start)  # `peerd start`: its flags and their checks live beside the daemon
 
 
 @contextmanager
@@ -281,19 +174,30 @@ def generate(
     routing = _routing(
         allowed_server, blocked_server, max_retries, connect_timeout, request_timeout, show_route
     )
-    if file is None:
-        assert prompt is not None
+    if file is not None:
+        prompts = _prompts_of(file)
         with _client(socket, **routing) as client:
-            stream_answer(client, prompt, sys.stdout, chat=chat, session=None, **options.options())
+            results = client.generate_batch(prompts, chat=chat, options=options)
+        _print_answers(prompts, results)
         return
+    assert prompt is not None
+    with _client(socket, **routing) as client:
+        stream_answer(client, prompt, sys.stdout, chat=chat, session=None, options=options)
+
+
+def _prompts_of(file: Path) -> list[str]:
+    """The prompts of a `peerd generate --file`: one a line, blank lines skipped."""
     try:
         prompts = [line for line in file.read_text().splitlines() if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise typer.BadParameter(f"cannot read {file}: {e}", param_hint="--file") from None
     if not prompts:
         raise typer.BadParameter(f"{file} holds no prompt (one a line)", param_hint="--file")
-    with _client(socket, **routing) as client:
-        results = client.generate_batch(prompts, chat=chat, **options.options())
+    return prompts
+
+
+def _print_answers(prompts: list[str], results: list[Any]) -> None:
+    """Each answer of a batch under its prompt's number, with its length and why it ended."""
     for number, (text, result) in enumerate(zip(prompts, results, strict=True), 1):
         typer.echo(f"=== [{number}] {text}")
         typer.echo(f"{result.text}\n--- ({len(result.token_ids)} tokens, {result.reason})")
@@ -329,7 +233,7 @@ def chat(
     )
     with _client(socket, **routing) as client:
         if prompt is not None:
-            stream_answer(client, prompt, sys.stdout, chat=True, session=None, **options.options())
+            stream_answer(client, prompt, sys.stdout, chat=True, session=None, options=options)
         else:
             run_chat(client, options)
 
@@ -513,53 +417,6 @@ def bench_batch(
 
     configure_logging("warning")
     _print_report(run_batch_bench(runs=runs, sessions=sessions, new_tokens=new_tokens), as_json)
-
-
-@service_app.command("install", context_settings={"allow_interspersed_args": False})
-def service_install(
-    start_args: list[str] = typer.Argument(
-        None, help="Arguments of `peerd start`, after `--`: peerd service install -- --new-swarm"
-    ),
-    user: bool = typer.Option(False, "--user", help="A user unit (systemctl --user)."),
-    print_only: bool = typer.Option(False, "--print", help="Print the unit; write nothing."),
-    run_as: str | None = typer.Option(
-        None, help="System unit: the account that runs the daemon (default: who ran sudo)."
-    ),
-    unit_dir: Path | None = typer.Option(
-        None, help="Write the unit and its environment file here instead (no systemctl)."
-    ),
-) -> None:
-    """Write a systemd unit (and an environment file) for `peerd start START_ARGS`."""
-    from peerd.daemon.service import ServiceError, ServiceSpec, default_run_as, install, unit_text
-
-    spec = ServiceSpec(
-        start_args=tuple(start_args or ()),
-        user=user,
-        run_as=None if user else (run_as or default_run_as()),
-        env_file=unit_dir / "peerd.env" if unit_dir else None,
-    )
-    try:
-        if print_only:
-            typer.echo(unit_text(spec), nl=False)
-            return
-        installed = install(spec, unit_dir, reload=unit_dir is None)
-    except (ServiceError, OSError) as e:
-        typer.echo(f"peerd service install: {e}", err=True)
-        raise typer.Exit(2) from None
-    typer.echo(f"wrote {installed.unit} (settings in {installed.env_file})")
-    typer.echo(f"start it now and at boot: {installed.enable_hint}")
-
-
-@service_app.command("uninstall")
-def service_uninstall(
-    user: bool = typer.Option(False, "--user", help="The user unit (systemctl --user)."),
-    unit_dir: Path | None = typer.Option(None, help="The unit is here instead."),
-) -> None:
-    """Stop and disable the peerd service and remove its unit (identity and cache stay)."""
-    from peerd.daemon.service import uninstall
-
-    removed = uninstall(user, unit_dir, reload=unit_dir is None)
-    typer.echo(f"removed {removed}" if removed else "no peerd service was installed")
 
 
 if __name__ == "__main__":

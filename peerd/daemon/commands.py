@@ -1,0 +1,189 @@
+"""The commands that run this daemon: `peerd start` and `peerd service install|uninstall`.
+
+cli.py registers them on its typer app. This module imports only typer at the top, so `peerd
+--help` stays fast; the daemon and its dependencies load when a command runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from peerd.daemon.main import DaemonConfig
+
+service_app = typer.Typer(
+    help="A systemd unit that keeps `peerd start ...` running (docs/operations.md)."
+)
+
+# `peerd start`'s flags. Each is named as the DaemonConfig field it sets (--drain-timeout sets
+# drain_deadline, --verify verify_fraction, --swarm swarm_name), so the flags are the config.
+MODEL = typer.Option("default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint dir.")
+BLOCKS = typer.Option(
+    "auto", help="Blocks to serve: auto (what fits, where the swarm is weakest), N, or a:b."
+)
+NEW_SWARM = typer.Option(False, "--new-swarm", help="Start a new swarm (no peers).")
+INITIAL_PEERS = typer.Option(
+    [], "--initial-peers", help="Full multiaddr of a peer to join through (repeatable)."
+)
+PORT = typer.Option(0, help="TCP port to listen on (0: any free port).")
+HOST_MADDRS = typer.Option([], "--host-maddrs", help="Listen multiaddrs.")
+IDENTITY = typer.Option(None, help="Identity file (created on first use).")
+THROUGHPUT = typer.Option("auto", help="auto (measure once, cached) or tokens/s.")
+MEMORY_BUDGET = typer.Option(
+    None, help="Bytes for weights + cache with --blocks auto (default: half of free RAM)."
+)
+CACHE_TOKENS = typer.Option(16384, min=1, help="KV cache budget in tokens.")
+REFRESH_PERIOD = typer.Option(60.0, min=0.1, help="Seconds between DHT announces.")
+REBALANCE_PERIOD = typer.Option(
+    120.0, min=0.1, help="With --blocks auto or N: seconds between checks for a better span."
+)
+TORCH_THREADS = typer.Option(None, min=1, help="torch threads for compute.")
+SOCKET = typer.Option(None, help="Local API socket (default: $XDG_RUNTIME_DIR/peerd/peerd.sock).")
+LOG_LEVEL = typer.Option("info", help="debug, info, warning or error.")
+DRAIN_DEADLINE = typer.Option(
+    30.0,
+    "--drain-timeout",
+    min=0.0,
+    help="On SIGTERM: seconds open sessions may go on before they move.",
+)
+METRICS_PORT = typer.Option(
+    None, min=0, max=65535, help="Serve Prometheus metrics on 127.0.0.1:PORT/metrics."
+)
+MDNS = typer.Option(
+    False, "--mdns", help="Find and join peers on the LAN (no --initial-peers needed)."
+)
+SWARM_NAME = typer.Option(
+    "", "--swarm", help="Name of a private swarm: daemons of other swarms are never used."
+)
+ADAPTERS = typer.Option(
+    [], "--adapters", help="PEFT LoRA adapter dir to serve, known by its name (repeatable)."
+)
+VERIFY_FRACTION = typer.Option(
+    0.0,
+    "--verify",
+    min=0.0,
+    max=1.0,
+    help="Re-run this fraction of generation steps on a second server and ban liars.",
+)
+BATCHING = typer.Option(
+    True, "--batching/--no-batching", help="Merge concurrent clients' steps into one forward."
+)
+REACHABILITY = typer.Option(
+    "auto", help="auto (peers dial us back: AutoNAT), public, or private (behind NAT: use relays)."
+)
+
+
+def start(
+    ctx: typer.Context,
+    model: str = MODEL,
+    blocks: str = BLOCKS,
+    new_swarm: bool = NEW_SWARM,
+    initial_peers: list[str] = INITIAL_PEERS,
+    port: int = PORT,
+    host_maddrs: list[str] = HOST_MADDRS,
+    identity: Path | None = IDENTITY,
+    throughput: str = THROUGHPUT,
+    memory_budget: int | None = MEMORY_BUDGET,
+    cache_tokens: int = CACHE_TOKENS,
+    refresh_period: float = REFRESH_PERIOD,
+    rebalance_period: float = REBALANCE_PERIOD,
+    torch_threads: int | None = TORCH_THREADS,
+    socket: Path | None = SOCKET,
+    log_level: str = LOG_LEVEL,
+    drain_deadline: float = DRAIN_DEADLINE,
+    metrics_port: int | None = METRICS_PORT,
+    mdns: bool = MDNS,
+    swarm_name: str = SWARM_NAME,
+    adapters: list[Path] = ADAPTERS,
+    verify_fraction: float = VERIFY_FRACTION,
+    batching: bool = BATCHING,
+    reachability: str = REACHABILITY,
+) -> None:
+    """Serve blocks of a model to the swarm and route generations for local clients."""
+    from peerd.daemon.main import DaemonError, configure_logging, run
+    from peerd.node.p2p import BadMultiaddr
+
+    configure_logging(log_level)
+    config = _daemon_config(dict(ctx.params))
+    try:
+        run(config)
+    except (DaemonError, BadMultiaddr, OSError) as e:
+        typer.echo(f"peerd start: {e}", err=True)
+        raise typer.Exit(2) from None
+    except KeyboardInterrupt:
+        pass
+
+
+def _daemon_config(flags: dict[str, Any]) -> DaemonConfig:
+    """The DaemonConfig of `peerd start`'s flags, refusing combinations that cannot work."""
+    from peerd.daemon.main import DaemonConfig
+
+    if not flags["new_swarm"] and not flags["initial_peers"] and not flags["mdns"]:
+        raise typer.BadParameter(
+            "give --initial-peers MULTIADDR to join a swarm, --new-swarm to start one, or --mdns "
+            "to find one on the LAN",
+            param_hint="--initial-peers",
+        )
+    if flags["new_swarm"] and flags["initial_peers"]:
+        raise typer.BadParameter("--new-swarm takes no --initial-peers", param_hint="--new-swarm")
+    if flags["reachability"] not in ("auto", "public", "private"):
+        raise typer.BadParameter(
+            f"{flags['reachability']!r}: expected auto, public or private",
+            param_hint="--reachability",
+        )
+    del flags["log_level"]  # the process's, not the daemon's
+    if flags["blocks"] == "none":
+        flags["blocks"] = None  # serve nothing: a pure client of the swarm
+    for many in ("initial_peers", "host_maddrs", "adapters"):
+        flags[many] = list(flags[many])
+    return DaemonConfig(**flags)
+
+
+@service_app.command("install", context_settings={"allow_interspersed_args": False})
+def service_install(
+    start_args: list[str] = typer.Argument(
+        None, help="Arguments of `peerd start`, after `--`: peerd service install -- --new-swarm"
+    ),
+    user: bool = typer.Option(False, "--user", help="A user unit (systemctl --user)."),
+    print_only: bool = typer.Option(False, "--print", help="Print the unit; write nothing."),
+    run_as: str | None = typer.Option(
+        None, help="System unit: the account that runs the daemon (default: who ran sudo)."
+    ),
+    unit_dir: Path | None = typer.Option(
+        None, help="Write the unit and its environment file here instead (no systemctl)."
+    ),
+) -> None:
+    """Write a systemd unit (and an environment file) for `peerd start START_ARGS`."""
+    from peerd.daemon.service import ServiceError, ServiceSpec, default_run_as, install, unit_text
+
+    spec = ServiceSpec(
+        start_args=tuple(start_args or ()),
+        user=user,
+        run_as=None if user else (run_as or default_run_as()),
+        env_file=unit_dir / "peerd.env" if unit_dir else None,
+    )
+    try:
+        if print_only:
+            typer.echo(unit_text(spec), nl=False)
+            return
+        installed = install(spec, unit_dir, reload=unit_dir is None)
+    except (ServiceError, OSError) as e:
+        typer.echo(f"peerd service install: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"wrote {installed.unit} (settings in {installed.env_file})")
+    typer.echo(f"start it now and at boot: {installed.enable_hint}")
+
+
+@service_app.command("uninstall")
+def service_uninstall(
+    user: bool = typer.Option(False, "--user", help="The user unit (systemctl --user)."),
+    unit_dir: Path | None = typer.Option(None, help="The unit is here instead."),
+) -> None:
+    """Stop and disable the peerd service and remove its unit (identity and cache stay)."""
+    from peerd.daemon.service import uninstall
+
+    removed = uninstall(user, unit_dir, reload=unit_dir is None)
+    typer.echo(f"removed {removed}" if removed else "no peerd service was installed")
