@@ -14,6 +14,7 @@ import torch
 from typer.testing import CliRunner
 
 import cli
+import wire
 from peerd.devtools.localswarm import DaemonProcess, LocalSwarm
 from peerd.sdk.client import BadRouteOptions, Client, PeerdError
 
@@ -102,7 +103,7 @@ def test_allowed_servers_that_leave_blocks_uncovered_fail_at_once(
     b, c = overlap["b"], overlap["c"]
     with pytest.raises(PeerdError) as info:
         generate(overlap, allowed_servers=[b.peer_id, UNKNOWN])
-    assert info.value.code == "no_route"
+    assert info.value.code == wire.ErrorCode.NO_ROUTE
     message = str(info.value)
     assert "allowed_servers leave blocks 15-29" in message
     assert c.peer_id in message and f"{UNKNOWN} is not in the swarm" in message
@@ -151,7 +152,7 @@ def test_timeouts_and_max_retries_bound_a_session(overlap: dict[str, DaemonProce
     for limit in ("request_timeout", "connect_timeout"):
         with pytest.raises(PeerdError) as info:
             generate(overlap, allowed_servers=remote, max_retries=0, **{limit: 1e-4})
-        assert info.value.code == "inference_failed", (limit, info.value)
+        assert info.value.code == wire.ErrorCode.INFERENCE_FAILED, (limit, info.value)
         assert "more than max_retries=0 allows" in str(info.value)
 
     with Client(a.socket, blocked_servers=[a.peer_id], max_retries=0) as client:
@@ -160,5 +161,5 @@ def test_timeouts_and_max_retries_bound_a_session(overlap: dict[str, DaemonProce
         c.kill()
         with pytest.raises(PeerdError) as info:
             client.step(session, torch.zeros(1, 1, client.welcome.hidden_size))
-        assert info.value.code == "inference_failed"
+        assert info.value.code == wire.ErrorCode.INFERENCE_FAILED
         assert "more than max_retries=0 allows" in str(info.value)
