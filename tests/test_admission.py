@@ -65,7 +65,7 @@ async def test_a_wait_that_times_out_is_a_typed_explained_error(
     started = trio.current_time()
     with pytest.raises(Refused) as refused:
         await admission.open_session(cache, 2, 25, wait_s=5)
-    assert refused.value.code == "cache_full_timeout"
+    assert refused.value.code == wire.ErrorCode.CACHE_FULL_TIMEOUT
     assert trio.current_time() - started == pytest.approx(5)
     message = str(refused.value)
     assert "30 of 100 tokens free" in message and "asks for 50" in message
@@ -83,7 +83,8 @@ async def test_the_wait_is_capped_and_oversized_sessions_are_refused_at_once(
     admission = Admission(max_sessions_per_peer=4, max_inflight_bytes_per_peer=1, max_wait_s=2)
     with pytest.raises(Refused) as refused:
         await admission.open_session(cache, 1, 101, wait_s=30)
-    assert refused.value.code == "out_of_cache" and "whole cache of 100" in str(refused.value)
+    assert refused.value.code == wire.ErrorCode.OUT_OF_CACHE
+    assert "whole cache of 100" in str(refused.value)
     held = cache.open_session(1, 100)
     started = trio.current_time()
     with pytest.raises(Refused, match=r"after waiting 2\.0 s"):
@@ -102,7 +103,7 @@ async def test_a_full_queue_says_busy(autojump_clock: trio.testing.MockClock) ->
         await trio.sleep(1)
         with pytest.raises(Refused) as refused:
             await admission.open_session(cache, 1, 5, wait_s=10)
-        assert refused.value.code == "busy"
+        assert refused.value.code == wire.ErrorCode.BUSY
         held.close()
         admission.cache_freed()
     assert cache.free_tokens == 0
@@ -113,7 +114,8 @@ def test_sessions_per_peer_are_limited_and_other_peers_go_on() -> None:
     with admission.session_slot("a"), admission.session_slot("a"):
         with pytest.raises(Refused) as refused, admission.session_slot("a"):
             pass
-        assert refused.value.code == "too_many_sessions" and "peer a" in str(refused.value)
+        assert refused.value.code == wire.ErrorCode.TOO_MANY_SESSIONS
+        assert "peer a" in str(refused.value)
         with admission.session_slot("b"):
             assert admission.sessions_of("b") == 1
     assert admission.sessions_of("a") == 0
@@ -128,7 +130,8 @@ def test_bytes_in_flight_per_peer_are_limited() -> None:
         assert admission.inflight_bytes_of("a") == 150
         with pytest.raises(Refused) as refused, admission.inflight("a", 10):
             pass
-        assert refused.value.code == "inflight_limit" and "150 bytes" in str(refused.value)
+        assert refused.value.code == wire.ErrorCode.INFLIGHT_LIMIT
+        assert "150 bytes" in str(refused.value)
         with admission.inflight("b", 60), admission.inflight("b", 40):
             assert admission.inflight_bytes_of("b") == 100
     assert admission.inflight_bytes_of("a") == admission.inflight_bytes_of("b") == 0
@@ -181,7 +184,7 @@ async def test_a_full_daemon_queues_then_refuses_with_a_typed_error(swarm: Local
         assert isinstance(reply, wire.SessionOpened)
         started = trio.current_time()
         _, reply = await _open(node, daemon.peer_id, 1000, 0.5)
-        assert isinstance(reply, wire.Error) and reply.code == "cache_full_timeout"
+        assert isinstance(reply, wire.Error) and reply.code == wire.ErrorCode.CACHE_FULL_TIMEOUT
         assert trio.current_time() - started >= 0.5
         assert "0 of 16384 tokens free" in reply.message and "asks for 1000" in reply.message
         # A patient session waits in the queue (the record shows it) and gets in when one closes.

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import trio
 from libp2p.peer.id import ID
 
 import blocks
 import wire
-from peerd.node.p2p import INFERENCE_PROTOCOL, INFO_PROTOCOL
-from peerd.node.streams import MessageStream, PeerGone
+from peerd.node.p2p import INFERENCE_PROTOCOL, INFO_PROTOCOL, PUSH_PROTOCOL, TRAINING_PROTOCOL
+from peerd.node.streams import Idle, MessageStream, PeerGone
 from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, MemNode, open_memnet, save_tiny_llama
 
 HIDDEN = 32
@@ -40,6 +41,13 @@ async def net(tiny_llama: Path) -> AsyncIterator[MemNet]:
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     """Equal up to float noise that scales with the values (a real bug is off by far more)."""
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+
+async def _assert_ended(stream: MessageStream) -> None:
+    """The other side closed `stream` (not merely went quiet)."""
+    with pytest.raises(PeerGone) as gone:
+        await stream.receive(TIMEOUT_S)
+    assert not isinstance(gone.value, Idle), gone.value
 
 
 async def _open(
@@ -91,7 +99,7 @@ async def test_a_pushed_step_reaches_the_next_server_and_both_answer(
     whole = blocks.load_span(tiny_llama, 0, TINY_BLOCKS)
     client = net.node("client")
     a, a_id = await _open(client, net, "a", 0, 3)
-    b, b_id = await _open(client, net, "b", 3, TINY_BLOCKS)
+    b, b_id = await _open(client, net, "b", 3, TINY_BLOCKS, upstream=net.peer_id("a"))
     hidden = torch.randn(1, 4, HIDDEN)
     hop = wire.NextHop(peer_id=net.peer_id("b"), session_id=b_id, start=3, end=TINY_BLOCKS)
     await a.send(wire.Step(session_id=a_id, step_id=0, hidden_states=hidden, next_hops=(hop,)))
@@ -121,3 +129,92 @@ async def test_a_killed_server_ends_its_streams_and_cannot_be_reached(net: MemNe
     with pytest.raises(ConnectionError):
         await client.open_stream(ID.from_base58(net.peer_id("a")), INFERENCE_PROTOCOL)
     assert set(net.records()) == {net.peer_id("b")}
+
+
+async def test_an_out_of_order_step_ends_its_session_only(net: MemNet) -> None:
+    client = net.node("client")
+    a, a_id = await _open(client, net, "a", 0, 3)
+    assert isinstance(await _step(a, a_id, 4, torch.randn(1, 2, HIDDEN)), wire.StepResult)
+    reply = await _step(a, a_id, 4, torch.randn(1, 1, HIDDEN))  # the same id again
+    assert isinstance(reply, wire.Error) and reply.code == wire.ErrorCode.BAD_REQUEST
+    assert "step 4 after step 4" in reply.message
+    await _assert_ended(a)  # the session's stream ended
+    again, again_id = await _open(client, net, "a", 0, 3)  # the server serves on
+    assert isinstance(await _step(again, again_id, 0, torch.randn(1, 1, HIDDEN)), wire.StepResult)
+    assert net.server("a").open_sessions == 1
+
+
+async def test_a_push_from_a_peer_other_than_the_named_upstream_is_refused(
+    net: MemNet, tiny_llama: Path
+) -> None:
+    """A stranger who learnt b's session id pushes a step into it: its push stream is closed,
+    and the session's cache and stream are untouched (no result the client never asked for)."""
+    client = net.node("client")
+    a, a_id = await _open(client, net, "a", 0, 3)
+    b, b_id = await _open(client, net, "b", 3, TINY_BLOCKS, upstream=net.peer_id("a"))
+    stranger = net.node("stranger")
+    raw = await stranger.open_stream(ID.from_base58(net.peer_id("b")), PUSH_PROTOCOL)
+    spoof = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
+    await spoof.send(wire.Step(session_id=b_id, step_id=0, hidden_states=torch.randn(1, 5, HIDDEN)))
+    await _assert_ended(spoof)  # refused: b closed the stranger's push stream
+    # The client's own step through a, pushed on to b, runs on a cache the stranger never touched.
+    hidden = torch.randn(1, 3, HIDDEN)
+    hop = wire.NextHop(peer_id=net.peer_id("b"), session_id=b_id, start=3, end=TINY_BLOCKS)
+    await a.send(wire.Step(session_id=a_id, step_id=1, hidden_states=hidden, next_hops=(hop,)))
+    assert isinstance(await a.receive(TIMEOUT_S), wire.StepResult)
+    got = await b.receive(TIMEOUT_S)
+    assert isinstance(got, wire.StepResult) and got.step_id == 1
+    whole = blocks.load_span(tiny_llama, 0, TINY_BLOCKS)
+    with blocks.MemoryCache(budget_tokens=1000).open_session(1, 64) as reference:
+        _close(got.hidden_states, whole(hidden, reference))
+
+
+async def test_a_bug_while_serving_a_session_answers_internal_and_the_server_serves_on(
+    net: MemNet, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    server = net.server("a")
+    client = net.node("client")
+    a, a_id = await _open(client, net, "a", 0, 3)
+
+    async def planted_bug(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("planted bug")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(server.batcher, "run", planted_bug)
+        reply = await _step(a, a_id, 0, torch.randn(1, 2, HIDDEN))
+    assert isinstance(reply, wire.Error) and reply.code == wire.ErrorCode.INTERNAL
+    await _assert_ended(a)
+    logged = [r for r in caplog.records if r.exc_info and "planted bug" in str(r.exc_info[1])]
+    assert logged and "bug while handling a inference stream" in logged[0].getMessage()
+    assert server.counters.errors[wire.ErrorCode.INTERNAL] == 1
+    assert server.open_sessions == 0 and server.cache is not None
+    assert server.cache.free_tokens == 4096  # the broken session's cache is freed
+    again, again_id = await _open(client, net, "a", 0, 3)
+    assert isinstance(await _step(again, again_id, 0, torch.randn(1, 2, HIDDEN)), wire.StepResult)
+
+
+async def test_a_bug_in_a_training_request_answers_internal(
+    net: MemNet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server = net.server("b")
+    raw = await net.node("client").open_stream(ID.from_base58(server.peer_id), TRAINING_PROTOCOL)
+    stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
+    forward = wire.Forward(
+        model=TINY_MODEL, start=3, end=TINY_BLOCKS, hidden_states=torch.randn(1, 2, HIDDEN)
+    )
+
+    async def planted_bug(*args: object) -> torch.Tensor:
+        raise KeyError("planted bug")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(server.compute, "run", planted_bug)
+        await stream.send(forward)
+        reply = await stream.receive(TIMEOUT_S)
+    assert isinstance(reply, wire.Error) and reply.code == wire.ErrorCode.INTERNAL
+    with trio.fail_after(TIMEOUT_S):  # the next stream is served as usual
+        raw = await net.node("client").open_stream(
+            ID.from_base58(server.peer_id), TRAINING_PROTOCOL
+        )
+        stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
+        await stream.send(forward)
+        assert isinstance(await stream.receive(TIMEOUT_S), wire.ForwardResult)

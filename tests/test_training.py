@@ -20,13 +20,9 @@ import wire
 from peerd.devtools.localswarm import LocalSwarm
 from peerd.sdk.client import Client, PeerdError
 from peerd.sdk.model import AutoDistributedModelForCausalLM, UnsupportedGeneration
-from peerd.server.block_server import (
-    BlockServer,
-    ServerLimits,
-    _training_backward,
-    _training_forward,
-)
+from peerd.server.block_server import BlockServer, ServerLimits
 from peerd.server.compute import PRIORITY_INFERENCE, ComputeQueue
+from peerd.server.training import training_backward, training_forward
 from peerd.session.training import micro_batches
 from tests.numeric import SAME, assert_close_scaled
 from tests.test_blocks import VOCAB, _save_tiny
@@ -69,11 +65,11 @@ def test_chained_span_passes_give_the_whole_span_gradients(tiny_llama: Path) -> 
     inputs, current = [], hidden
     for span in spans:
         inputs.append(current)
-        current = _training_forward(span, current, prompts[span.start : span.end])
+        current = training_forward(span, current, prompts[span.start : span.end])
     assert_close_scaled(current, whole(hidden, prompts=prompts), rel=SAME)
     grad, grad_prompts = grad_out, []
     for span, span_input in zip(reversed(spans), reversed(inputs), strict=True):
-        grad, grad_p = _training_backward(span, span_input, grad, prompts[span.start : span.end])
+        grad, grad_p = training_backward(span, span_input, grad, prompts[span.start : span.end])
         grad_prompts.insert(0, grad_p)
     assert relative_error(grad, x.grad) < RELATIVE_TOLERANCE
     assert relative_error(torch.cat(grad_prompts), p.grad) < RELATIVE_TOLERANCE

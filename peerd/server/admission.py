@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import trio
 
+import wire
 from blocks import CacheFull, MemoryCache, SpanSession
 
 # The longest a request may wait for cache, whatever its client asks: a queued request holds a
@@ -29,9 +30,13 @@ MAX_QUEUED_SESSIONS = 256
 class Refused(Exception):
     """A request this server turns down now; `code` is the wire Error's code (wire.ErrorCode)."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: wire.ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class AdapterMissing(wire.ProtocolError):
+    """A session asked for a LoRA adapter this server does not have (Error adapter_not_found)."""
 
 
 class Admission:
@@ -75,7 +80,7 @@ class Admission:
         """Count one session of `peer` (queued or open) for as long as the block runs."""
         if self.sessions_of(peer) >= self.max_sessions_per_peer:
             raise Refused(
-                "too_many_sessions",
+                wire.ErrorCode.TOO_MANY_SESSIONS,
                 f"peer {peer} already has {self.max_sessions_per_peer} sessions open or queued "
                 "here; close one first or use another server",
             )
@@ -93,7 +98,7 @@ class Admission:
             # One step alone may always run (its size is bounded by the frame limit): otherwise
             # a prefill bigger than the limit could never be served at all.
             raise Refused(
-                "inflight_limit",
+                wire.ErrorCode.INFLIGHT_LIMIT,
                 f"peer {peer} already has {held} bytes of steps in flight here and this step "
                 f"adds {nbytes}, past the limit of {self.max_inflight_bytes_per_peer}: wait for "
                 "the answers before sending more",
@@ -122,7 +127,7 @@ class Admission:
         asked = batch_size * max_length
         if asked > cache.budget_tokens:
             raise Refused(
-                "out_of_cache",
+                wire.ErrorCode.OUT_OF_CACHE,
                 f"a session of {asked} tokens (batch {batch_size} x max_length {max_length}) is "
                 f"more than this server's whole cache of {cache.budget_tokens} tokens: ask for "
                 "a shorter max_length or use another server",
@@ -134,7 +139,7 @@ class Admission:
                 pass
         if len(self._queue) >= self.max_queued:
             raise Refused(
-                "busy",
+                wire.ErrorCode.BUSY,
                 f"{len(self._queue)} sessions already wait for cache here: use another server",
             )
         wait_s = min(max(wait_s, 0.0), self.max_wait_s)
@@ -156,7 +161,7 @@ class Admission:
         self.timeouts += 1
         free = cache.free_tokens
         raise Refused(
-            "cache_full_timeout",
+            wire.ErrorCode.CACHE_FULL_TIMEOUT,
             f"this server's attention cache had {free} of {cache.budget_tokens} tokens free "
             f"after waiting {wait_s:.1f} s, and the session asks for {asked} (batch {batch_size}"
             f" x max_length {max_length}): try another server, a shorter max_length, or a "

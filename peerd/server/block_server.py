@@ -1,12 +1,15 @@
-"""The block server: serves one span of a model to anyone over the info and inference protocols.
+"""The block server: serves one span of a model to anyone over the info, inference, push and
+training protocols.
 
 It never runs code from the network: only its own blocks' forward, on tensors whose sizes it has
-checked against its limits before allocating anything for them.
+checked against its limits before allocating anything for them. This module holds the server's
+state and the checks every step and session goes through; the conversations are in
+peerd.server.sessions (inference), .push (server to server), .training and .local_session (our
+own daemon's sessions), each stream behind the fault boundary of peerd.server.boundary.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -16,40 +19,39 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import trio
-from libp2p.peer.id import ID
 
 import wire
 from blocks import MemoryCache, Span, SpanSession
 from peerd import __version__
-from peerd.node.p2p import PUSH_PROTOCOL, Node
-from peerd.node.streams import ByteStream, Idle, MessageStream, PeerGone
-from peerd.server.admission import Admission, Refused
+from peerd.node.p2p import Node
+from peerd.node.streams import ByteStream, MessageStream
+from peerd.server import boundary, training
+from peerd.server.admission import AdapterMissing, Admission
 from peerd.server.batching import StepBatcher
-from peerd.server.compute import PRIORITY_TRAINING, ComputeQueue
+from peerd.server.boundary import OPEN_TIMEOUT_S, stream_boundary
+from peerd.server.compute import ComputeQueue
+from peerd.server.local_session import LocalSession
+from peerd.server.push import Pusher, PushReceiver
+from peerd.server.sessions import InferenceHandler
 from routing.records import ServerRecord, ServerState, record_to_info
+from wire.conversation import MAX_PUSHED_QUEUED, ServerInference
 from wire.peer_protocol import DEFAULT_SESSIONS_PER_PEER
+
+__all__ = [
+    "MAX_PUSHED_QUEUED",
+    "TEST_CORRUPT_ENV",
+    "AdapterMissing",
+    "BlockServer",
+    "ServerCounters",
+    "ServerLimits",
+]
 
 log = logging.getLogger(__name__)
 
-# A session that sends nothing for this long is closed and its cache freed: a client that went
-# away without closing must not hold cache forever. Clients step far more often than this.
-SESSION_IDLE_TIMEOUT_S = 300.0
-# Time a client gets to send its first message after opening a stream.
-OPEN_TIMEOUT_S = 10.0
-# A push that does not go through in this long is abandoned: the client relays instead.
-PUSH_TIMEOUT_S = 5.0
 # TESTS ONLY: a server started with PEERD_TEST_CORRUPT=F adds noise to a fraction F of its
 # step outputs, so tests can check that clients catch a lying server (peerd.session.verify). Nothing
 # else sets it; docs/operations.md says never to.
 TEST_CORRUPT_ENV = "PEERD_TEST_CORRUPT"
-# Pushed steps one session may have waiting here. A client sends a session's next step only once
-# it has the last one's result, so more than a handful queued means a confused or hostile peer.
-MAX_PUSHED_QUEUED = 8
-
-
-class AdapterMissing(wire.ProtocolError):
-    """A session asked for a LoRA adapter this server does not have (Error adapter_not_found)."""
 
 
 @dataclass(frozen=True)
@@ -79,24 +81,6 @@ class ServerCounters:
 
     def error(self, code: str) -> None:
         self.errors[code] = self.errors.get(code, 0) + 1
-
-
-@dataclass
-class _LiveSession:
-    """A session open on this server, found by id when a previous server pushes a step."""
-
-    request: wire.OpenSession
-    session: SpanSession
-    messages: MessageStream  # the client's session stream: every result goes there
-    scope: trio.CancelScope
-    lock: trio.Lock = field(default_factory=trio.Lock)  # one step at a time, from either side
-    last_active: float = field(default_factory=trio.current_time)
-    failure: Refused | None = None
-    # Steps pushed by the previous server, in order; the session's own task runs them, so
-    # pushed steps of different sessions run concurrently (and merge into one forward).
-    pushed: tuple[trio.MemorySendChannel[wire.Step], trio.MemoryReceiveChannel[wire.Step]] = field(
-        default_factory=lambda: trio.open_memory_channel[wire.Step](MAX_PUSHED_QUEUED)
-    )
 
 
 class BlockServer:
@@ -139,12 +123,10 @@ class BlockServer:
             max_sessions_per_peer=self.limits.max_sessions_per_peer,
             max_inflight_bytes_per_peer=self.limits.max_inflight_bytes_per_peer,
         )
-        self._open_sessions: set[trio.CancelScope] = set()
         self._subspans: dict[tuple[int, int], Span] = {}
         self.node = node
-        self._live: dict[str, _LiveSession] = {}  # session id -> session, for pushed steps
-        self._push_streams: dict[str, MessageStream] = {}  # next hop's peer id -> stream
-        self._push_locks: dict[str, trio.Lock] = {}
+        self.sessions = InferenceHandler(self, Pusher(node, self.limits.max_frame_size))
+        self._push_receiver = PushReceiver(self, self.sessions.live)
         self._corrupt_fraction = float(os.environ.get(TEST_CORRUPT_ENV) or 0.0)
         if self._corrupt_fraction:
             log.warning("%s is set: this server returns WRONG results", TEST_CORRUPT_ENV)
@@ -200,86 +182,46 @@ class BlockServer:
 
     @property
     def open_sessions(self) -> int:
-        return len(self._open_sessions)
+        return len(self.sessions.scopes)
 
-    # --- info -------------------------------------------------------------------------------
+    # --- the protocols: one handler per stream ----------------------------------------------
 
     async def handle_info(self, stream: ByteStream, remote_peer: str | None = None) -> None:
         messages = MessageStream(stream, self.limits.max_frame_size, remote_peer)
-        try:
+        async with stream_boundary(self, messages, "info"):
             await messages.receive_as(wire.InfoRequest, OPEN_TIMEOUT_S)
             await messages.send(wire.InfoResponse(record=record_to_info(self.record())))
-        except wire.ProtocolError as e:
-            await self._refuse(messages, "bad_request", str(e))
-        except PeerGone:
-            pass
-        finally:
-            await messages.close()
-
-    # --- inference --------------------------------------------------------------------------
 
     async def handle_inference(self, stream: ByteStream, remote_peer: str | None = None) -> None:
-        """One stream = one session: OpenSession, then Step* (each answered by a StepResult),
-        then CloseSession or the stream's end. Any error ends the session with an Error reply
-        and frees its cache; other sessions are untouched."""
+        """One stream = one session (peerd.server.sessions)."""
+        await self.sessions.handle(MessageStream(stream, self.limits.max_frame_size, remote_peer))
+
+    async def handle_push(self, stream: ByteStream, remote_peer: str | None = None) -> None:
+        """Steps pushed by the previous server of a client's route (peerd.server.push)."""
         messages = MessageStream(stream, self.limits.max_frame_size, remote_peer)
-        peer = messages.remote_peer
-        try:
-            request = await messages.receive_as(wire.OpenSession, OPEN_TIMEOUT_S)
-            try:
-                self._check_open(request)
-            except AdapterMissing as e:
-                self.counters.sessions_refused += 1
-                await self._refuse(messages, wire.ErrorCode.ADAPTER_NOT_FOUND, str(e))
-                return
-            with self.admission.session_slot(peer):
-                await self._open_and_serve(request, messages)
-        except Refused as e:
-            self.counters.sessions_refused += 1
-            await self._refuse(messages, e.code, str(e))
-        except wire.ProtocolError as e:
-            await self._refuse(messages, "bad_request", str(e))
-        except PeerGone as e:
-            log.debug("session from %s ended: %s", peer, e)
-        finally:
-            await messages.close()
+        await self._push_receiver.handle(messages)
 
-    async def _open_and_serve(self, request: wire.OpenSession, messages: MessageStream) -> None:
-        assert self.cache is not None  # _check_open refuses sessions until we are online
-        session = await self.admission.open_session(
-            self.cache,
-            request.batch_size,
-            request.max_length,
-            request.wait_timeout,
-            request.left_padding or None,
-        )
-        self.counters.sessions_opened += 1
-        live = _LiveSession(request, session, messages, trio.CancelScope())
-        try:
-            with session, live.scope:
-                self._open_sessions.add(live.scope)
-                self._live[request.session_id] = live
-                await messages.send(
-                    wire.SessionOpened(session_id=request.session_id, max_length=request.max_length)
-                )
-                error: Exception | None = None  # raised as itself, not in an exception group
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._serve_pushed, live)
-                    try:
-                        await self._serve_steps(live)
-                    except Exception as e:
-                        error = e
-                    nursery.cancel_scope.cancel()
-                if error is not None:
-                    raise error
-            if live.failure is not None:  # a pushed step broke the session
-                raise live.failure
-        finally:
-            self._live.pop(request.session_id, None)
-            self._open_sessions.discard(live.scope)
-            self.admission.cache_freed()
+    async def handle_training(self, stream: ByteStream, remote_peer: str | None = None) -> None:
+        """Forward and Backward requests, each answered in turn (peerd.server.training)."""
+        messages = MessageStream(stream, self.limits.max_frame_size, remote_peer)
+        await training.handle_training(self, messages)
 
-    def _check_open(self, request: wire.OpenSession) -> None:
+    async def run_training(
+        self, request: wire.Forward | wire.Backward
+    ) -> wire.ForwardResult | wire.BackwardResult:
+        """Run a Forward or Backward on this server's blocks (peerd.server.training)."""
+        return await training.run_training(self, request)
+
+    async def refuse(self, messages: MessageStream, code: wire.ErrorCode, text: str) -> None:
+        """Answer an Error (counted by code) and go on: the peer may be gone already."""
+        self.counters.error(code)
+        await boundary.refuse(messages, code, text)
+
+    # --- what every session and step is checked against -------------------------------------
+
+    def check_open(self, request: wire.OpenSession) -> None:
+        """ProtocolError (AdapterMissing for a missing adapter) if this server cannot take the
+        session `request` asks for."""
         if request.model != self.model:
             raise wire.ProtocolError(
                 f"this server serves model {self.model!r}, not {request.model!r}"
@@ -298,6 +240,9 @@ class BlockServer:
                 f"this server has no adapter {adapter!r} for blocks {self.start}:{self.end} (it "
                 f"has: {offered}); route through servers whose record lists it"
             )
+        self._check_size(request)
+
+    def _check_size(self, request: wire.OpenSession) -> None:
         if request.batch_size > self.limits.max_batch_size:
             raise wire.ProtocolError(
                 f"batch_size {request.batch_size} exceeds this server's limit of "
@@ -309,219 +254,31 @@ class BlockServer:
                 f"{self.limits.max_session_length} tokens"
             )
 
-    async def _serve_steps(self, live: _LiveSession) -> None:
-        """Steps from the client's own stream. With server-to-server push the client sends
-        only to the first hop and this stream stays quiet while pushed steps arrive, so the
-        idle deadline counts from the last step of either kind."""
-        while True:
-            try:
-                message = await live.messages.receive(SESSION_IDLE_TIMEOUT_S)
-            except Idle:
-                if trio.current_time() - live.last_active < SESSION_IDLE_TIMEOUT_S:
-                    continue
-                raise
-            if isinstance(message, wire.CloseSession):
-                return
-            if not isinstance(message, wire.Step):
-                raise wire.ProtocolError(
-                    f"expected Step or CloseSession in a session, got {type(message).__name__}"
-                )
-            await self._process(live, message)
-
-    async def _process(self, live: _LiveSession, message: wire.Step) -> None:
-        """Run one step; push the output on when the step names next hops (first, so the next
-        server starts at once); answer the client on its session stream."""
-        compression = live.request.reply_compression
-        hidden = message.hidden_states
-        size = hidden.numel() * hidden.element_size()
-        with self.admission.inflight(live.messages.remote_peer, size):
-            async with live.lock:
-                live.last_active = trio.current_time()
-                output = await self.run_step(
-                    live.request, live.session, message, owner=live.messages.remote_peer
-                )
-        pushed = True
-        if message.next_hops:
-            pushed = await self._push(message, output, compression)
-        await live.messages.send(
-            wire.StepResult(
-                session_id=live.request.session_id,
-                step_id=message.step_id,
-                hidden_states=output,
-                push_failed=not pushed,
-            ),
-            compression,
-        )
-
-    # --- server-to-server push ------------------------------------------------------------
-
-    async def handle_push(self, stream: ByteStream, remote_peer: str | None = None) -> None:
-        """Steps pushed by the previous server of a client's route, for sessions the client
-        opened here, each handed to its session's task (so one session's step never holds up
-        another's). Nothing is answered on this stream: results go to the client."""
-        messages = MessageStream(stream, self.limits.max_frame_size, remote_peer)
-        try:
-            while True:
-                message = await messages.receive_as(wire.Step, SESSION_IDLE_TIMEOUT_S)
-                live = self._live.get(message.session_id)
-                if live is None:
-                    log.info("pushed step for unknown session %s", message.session_id[:12])
-                    continue
-                try:
-                    live.pushed[0].send_nowait(message)
-                except trio.WouldBlock:
-                    live.failure = Refused(
-                        "bad_request",
-                        f"more than {MAX_PUSHED_QUEUED} pushed steps wait for session "
-                        f"{message.session_id[:12]}: send a session's next step only after its "
-                        "result",
-                    )
-                    live.scope.cancel()
-                except trio.BrokenResourceError:  # the session is ending
-                    log.info("pushed step for closing session %s", message.session_id[:12])
-        except (PeerGone, wire.ProtocolError) as e:
-            log.debug("push stream from %s ended: %s", messages.remote_peer, e)
-        finally:
-            await messages.close()
-
-    async def _serve_pushed(self, live: _LiveSession) -> None:
-        """Run the steps pushed for one session, in the order they came; a failure ends the
-        session (its client hears why on its own stream)."""
-        async with live.pushed[1] as pushed:
-            async for message in pushed:
-                try:
-                    await self._process(live, message)
-                except wire.ProtocolError as e:
-                    live.failure = Refused("bad_request", str(e))
-                    live.scope.cancel()
-                except Refused as e:
-                    live.failure = e
-                    live.scope.cancel()
-                except PeerGone:  # the session's client went away; its handler cleans up
-                    live.scope.cancel()
-
-    async def _push(self, message: wire.Step, output: torch.Tensor, compression: str) -> bool:
-        """Send our output to the next hop as its step; False if that failed."""
-        target = message.next_hops[0]
-        pushed = wire.Step(
-            session_id=target.session_id,
-            step_id=message.step_id,
-            hidden_states=output,
-            next_hops=message.next_hops[1:],
-        )
-        lock = self._push_locks.setdefault(target.peer_id, trio.Lock())
-        try:
-            async with lock:
-                with trio.fail_after(PUSH_TIMEOUT_S):
-                    stream = await self._push_stream(target)
-                    await stream.send(pushed, compression)
-            return True
-        except Exception as e:  # any failure: the client relays this output itself
-            log.info("push to %s failed: %s", target.peer_id, e)
-            self._push_streams.pop(target.peer_id, None)
-            return False
-
-    async def _push_stream(self, target: wire.NextHop) -> MessageStream:
-        stream = self._push_streams.get(target.peer_id)
-        if stream is None:
-            if self.node is None:
-                raise PeerGone("this server has no host to push with")
-            peer = ID.from_base58(target.peer_id)
-            self.node.remember(peer, target.addrs)
-            raw = await self.node.open_stream(peer, PUSH_PROTOCOL)
-            stream = MessageStream(raw, self.limits.max_frame_size)
-            self._push_streams[target.peer_id] = stream
-        return stream
-
-    # --- training: cache-less forward and backward ----------------------------------------
-
-    async def handle_training(self, stream: ByteStream, remote_peer: str | None = None) -> None:
-        """Forward and Backward requests, each answered in turn, until the client closes the
-        stream or goes quiet. A bad request gets an Error and the stream goes on."""
-        messages = MessageStream(stream, self.limits.max_frame_size, remote_peer)
-        try:
-            while True:
-                request = await messages.receive(SESSION_IDLE_TIMEOUT_S)
-                if not isinstance(request, wire.Forward | wire.Backward):
-                    await self._refuse(
-                        messages,
-                        "bad_request",
-                        f"expected Forward or Backward on the training protocol, got "
-                        f"{type(request).__name__}",
-                    )
-                    continue
-                try:
-                    reply = await self.run_training(request)
-                except wire.ProtocolError as e:
-                    await self._refuse(messages, "bad_request", str(e))
-                    continue
-                await messages.send(reply, request.reply_compression)
-        except wire.ProtocolError as e:  # framing broke: the stream cannot be trusted
-            await self._refuse(messages, "bad_request", str(e))
-        except PeerGone as e:
-            log.debug("training stream from %s ended: %s", messages.remote_peer, e)
-        finally:
-            await messages.close()
-
-    async def run_training(
-        self, request: wire.Forward | wire.Backward
-    ) -> wire.ForwardResult | wire.BackwardResult:
-        """Check a Forward or Backward against this server's blocks and limits, then run it on
-        the compute queue behind any inference step. ProtocolError says what was wrong."""
-        if request.model != self.model:
-            raise wire.ProtocolError(
-                f"this server serves model {self.model!r}, not {request.model!r}"
-            )
-        if self.span is None or not (self.start <= request.start < request.end <= self.end):
-            raise wire.ProtocolError(
-                f"this server holds blocks {self.start}:{self.end} of {self.model} "
-                f"({self.state.value}); it cannot run blocks {request.start}:{request.end}"
-            )
-        batch, tokens, width = request.hidden_states.shape
-        if width != self.hidden_size:
-            raise wire.ProtocolError(f"hidden_states must be {self.hidden_size} wide, got {width}")
-        if batch * tokens > self.limits.max_training_tokens:
-            raise wire.ProtocolError(
-                f"{batch} x {tokens} tokens exceed this server's limit of "
-                f"{self.limits.max_training_tokens} per training request: send smaller "
-                "micro-batches"
-            )
-        span = self._span_for(request.start, request.end)
-        self.counters.training_passes += 1
-        self.counters.tokens_processed += batch * tokens
-        if isinstance(request, wire.Forward):
-            output = await self.compute.run(
-                PRIORITY_TRAINING, _training_forward, span, request.hidden_states, request.prompts
-            )
-            return wire.ForwardResult(hidden_states=output)
-        grad_inputs, grad_prompts = await self.compute.run(
-            PRIORITY_TRAINING,
-            _training_backward,
-            span,
-            request.hidden_states,
-            request.grad_outputs,
-            request.prompts,
-        )
-        return wire.BackwardResult(grad_inputs=grad_inputs, grad_prompts=grad_prompts)
-
     async def run_step(
         self,
-        request: wire.OpenSession,
+        conv: ServerInference,
         session: SpanSession,
         message: wire.Step,
         owner: str = "",
-    ) -> torch.Tensor:
-        """Check one step against the session's limits, then run it on the compute queue, merged
-        with concurrent steps of other sessions; `owner` (the client's peer) gets fair turns."""
+        pushed: bool = False,
+    ) -> torch.Tensor | None:
+        """Check one step against the span and the session's conversation (order, positions),
+        then run it on the compute queue, merged with concurrent steps of other sessions;
+        `owner` (the client's peer) gets fair turns. None: a stale pushed step, dropped."""
+        request = conv.request
+        assert request is not None
         if self.span is None or not (self.start <= request.start and request.end <= self.end):
             raise wire.ProtocolError(
                 f"this server now holds blocks {self.start}:{self.end} ({self.state.value}); "
                 "open a session elsewhere"
             )
-        hidden = self._check_step(message, request, session)
+        hidden = self._check_shape(message, request)
+        if not conv.start_step(message, pushed=pushed):
+            log.info("dropped a stale pushed step %d of %s", message.step_id, request.session_id)
+            return None
         if message.start_position is not None:
             session.rollback(message.start_position)
-        span = self._span_for(request.start, request.end)
+        span = self.span_for(request.start, request.end)
         output = await self.batcher.run(
             span, session, hidden, owner or self.peer_id, request.active_adapter
         )
@@ -531,20 +288,7 @@ class BlockServer:
         self.counters.tokens_processed += hidden.shape[0] * hidden.shape[1]
         return output
 
-    def open_local(self, request: wire.OpenSession) -> LocalSession:
-        """A session for this daemon's own clients: the same checks and cache as a remote one,
-        without a stream (a host cannot dial itself)."""
-        self._check_open(request)
-        assert self.cache is not None
-        session = self.cache.open_session(
-            request.batch_size, request.max_length, request.left_padding or None
-        )
-        self.counters.sessions_opened += 1
-        return LocalSession(self, request, session)
-
-    def _check_step(
-        self, message: wire.Step, request: wire.OpenSession, session: SpanSession
-    ) -> torch.Tensor:
+    def _check_shape(self, message: wire.Step, request: wire.OpenSession) -> torch.Tensor:
         hidden = message.hidden_states
         shape = tuple(hidden.shape)
         if len(shape) != 3 or shape[0] != request.batch_size or shape[2] != self.hidden_size:
@@ -552,22 +296,20 @@ class BlockServer:
                 f"hidden_states must have shape [{request.batch_size}, tokens, "
                 f"{self.hidden_size}], got {list(shape)}"
             )
-        position = session.position
-        if message.start_position is not None:
-            if message.start_position > position:
-                raise wire.ProtocolError(
-                    f"start_position {message.start_position} is past the session's "
-                    f"{position} cached tokens"
-                )
-            position = message.start_position
-        if position + shape[1] > request.max_length:
-            raise wire.ProtocolError(
-                f"this step would bring the session to {position + shape[1]} tokens, past its "
-                f"max_length of {request.max_length}; open a session with a larger max_length"
-            )
         return hidden
 
-    def _span_for(self, start: int, end: int) -> Span:
+    def open_local(self, request: wire.OpenSession) -> LocalSession:
+        """A session for this daemon's own clients: the same checks and cache as a remote one,
+        without a stream (a host cannot dial itself)."""
+        self.check_open(request)
+        assert self.cache is not None
+        session = self.cache.open_session(
+            request.batch_size, request.max_length, request.left_padding or None
+        )
+        self.counters.sessions_opened += 1
+        return LocalSession(self, request, session)
+
+    def span_for(self, start: int, end: int) -> Span:
         """The loaded span, or a view of some of its blocks (sharing their weights) when a route
         uses only part of what this server holds."""
         assert self.span is not None
@@ -577,21 +319,17 @@ class BlockServer:
             self._subspans[(start, end)] = self.span.sub_span(start, end)
         return self._subspans[(start, end)]
 
-    async def _refuse(self, messages: MessageStream, code: str, text: str) -> None:
-        self.counters.error(code)
-        log.info("refused a request from %s: %s", messages.remote_peer, text)
-        with contextlib.suppress(PeerGone):
-            await messages.send(wire.Error(code=code, message=text))
+    # --- the daemon's controls --------------------------------------------------------------
 
     def end_sessions(self) -> None:
         """Close every open session now; their clients see the stream end and re-route."""
-        for scope in list(self._open_sessions):
+        for scope in list(self.sessions.scopes):
             scope.cancel()
 
     def move_to(self, start: int, end: int) -> None:
         """Announce other blocks (state joining) until go_online with their span; the old
         span and its caches are dropped."""
-        if self._open_sessions:
+        if self.sessions.scopes:
             raise RuntimeError("drain the open sessions before moving")
         self._start, self._end = start, end
         self.span, self.cache = None, None
@@ -603,55 +341,8 @@ class BlockServer:
         self.state = ServerState.DRAINING
 
 
-def _training_forward(
-    span: Span, hidden: torch.Tensor, prompts: torch.Tensor | None
-) -> torch.Tensor:
-    with torch.no_grad():
-        return span(hidden, prompts=prompts)
-
-
-def _training_backward(
-    span: Span, hidden: torch.Tensor, grad_outputs: torch.Tensor, prompts: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Recompute the span's forward with autograd on (the server keeps nothing between a
-    Forward and its Backward), then carry grad_outputs back to the inputs and prompts."""
-    with torch.enable_grad():
-        hidden = hidden.detach().to(span.dtype).requires_grad_(True)
-        leaves = [hidden]
-        if prompts is not None:
-            prompts = prompts.detach().to(span.dtype).requires_grad_(True)
-            leaves.append(prompts)
-        output = span(hidden, prompts=prompts)
-        grads = torch.autograd.grad(output, leaves, grad_outputs.to(output.dtype))
-    return grads[0], grads[1] if prompts is not None else None
-
-
 def _corrupted(output: torch.Tensor) -> torch.Tensor:
     """A lying server's output (PEERD_TEST_CORRUPT): noise of 5% of each token's largest value,
     small enough to look plausible, far past the verifier's tolerance."""
     scale = output.abs().amax(dim=-1, keepdim=True)
     return output + 0.05 * scale * torch.randn_like(output)
-
-
-class LocalSession:
-    """An inference session on our own BlockServer (see BlockServer.open_local)."""
-
-    def __init__(self, server: BlockServer, request: wire.OpenSession, session: SpanSession):
-        self.server = server
-        self.request = request
-        self.session = session
-        self._steps = 0
-
-    async def step(self, hidden: torch.Tensor, start_position: int | None) -> torch.Tensor:
-        message = wire.Step(
-            session_id=self.request.session_id,
-            step_id=self._steps,
-            hidden_states=hidden,
-            start_position=start_position,
-        )
-        self._steps += 1
-        return await self.server.run_step(self.request, self.session, message)
-
-    def close(self) -> None:
-        self.session.close()
-        self.server.admission.cache_freed()

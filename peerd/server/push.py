@@ -1,0 +1,97 @@
+"""Server-to-server push: the steps a previous server of a client's route pushes to us, and our
+outputs pushed on to the next one.
+
+A push stream carries Step messages only and is never answered: results go to the client on its
+own session stream. Who may push into a session (the `upstream` its client named) and how many
+pushed steps may wait is wire.conversation's ServerInference; a peer breaking those rules gets its
+push stream closed, and the session it pushed into is untouched (unless the session's own
+upstream floods it, which ends that session).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+import trio
+from libp2p.peer.id import ID
+
+import wire
+from peerd.node.p2p import PUSH_PROTOCOL, Node
+from peerd.node.streams import MessageStream, PeerGone
+from peerd.server.boundary import SESSION_IDLE_TIMEOUT_S, CountsErrors, stream_boundary
+
+log = logging.getLogger(__name__)
+
+# A push that does not go through in this long is abandoned: the client relays instead.
+PUSH_TIMEOUT_S = 5.0
+
+
+class TakesPushes(Protocol):
+    """A session that pushed steps can be handed to (peerd.server.sessions.LiveSession)."""
+
+    def take_pushed(self, step: wire.Step, sender: str) -> None: ...
+
+
+class PushReceiver:
+    """The push streams into one server: each pushed step is handed to its session's task, so
+    one session's step never holds up another's."""
+
+    def __init__(self, server: CountsErrors, live: Mapping[str, TakesPushes]) -> None:
+        self.server = server
+        self.live = live  # the open sessions by id (InferenceHandler.live)
+
+    async def handle(self, messages: MessageStream) -> None:
+        async with stream_boundary(self.server, messages, "push", answer_protocol_errors=False):
+            while True:
+                step = await messages.receive_as(wire.Step, SESSION_IDLE_TIMEOUT_S)
+                live = self.live.get(step.session_id)
+                if live is None:
+                    log.info("pushed step for unknown session %s", step.session_id[:12])
+                    continue
+                live.take_pushed(step, messages.remote_peer)
+
+
+class Pusher:
+    """Our outputs pushed to the next hops, one stream per next server, kept while it works."""
+
+    def __init__(self, node: Node | None, max_frame_size: int) -> None:
+        self.node = node
+        self.max_frame_size = max_frame_size
+        self._streams: dict[str, MessageStream] = {}  # next hop's peer id -> stream
+        self._locks: dict[str, trio.Lock] = {}
+
+    async def push(self, message: wire.Step, output: torch.Tensor, compression: str) -> bool:
+        """Send our output to the next hop as its step; False if that failed."""
+        target = message.next_hops[0]
+        pushed = wire.Step(
+            session_id=target.session_id,
+            step_id=message.step_id,
+            hidden_states=output,
+            next_hops=message.next_hops[1:],
+        )
+        lock = self._locks.setdefault(target.peer_id, trio.Lock())
+        try:
+            async with lock:
+                with trio.fail_after(PUSH_TIMEOUT_S):
+                    stream = await self._stream_to(target)
+                    await stream.send(pushed, compression)
+            return True
+        except Exception as e:  # any failure: the client relays this output itself
+            log.info("push to %s failed: %s", target.peer_id, e)
+            self._streams.pop(target.peer_id, None)
+            return False
+
+    async def _stream_to(self, target: wire.NextHop) -> MessageStream:
+        stream = self._streams.get(target.peer_id)
+        if stream is None:
+            if self.node is None:
+                raise PeerGone("this server has no host to push with")
+            peer = ID.from_base58(target.peer_id)
+            self.node.remember(peer, target.addrs)
+            raw = await self.node.open_stream(peer, PUSH_PROTOCOL)
+            stream = MessageStream(raw, self.max_frame_size, target.peer_id)
+            self._streams[target.peer_id] = stream
+        return stream
