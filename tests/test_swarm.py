@@ -137,7 +137,9 @@ async def test_a_flood_of_pushed_steps_ends_that_session_only(three_servers: Loc
         with trio.fail_after(60):
             while not isinstance(reply := await session.receive(60), wire.Error):
                 replies.append(reply)
-        assert reply.code == "bad_request" and "pushed steps wait" in reply.message, reply
+        assert reply.code == wire.ErrorCode.BAD_REQUEST and "pushed steps wait" in reply.message, (
+            reply
+        )
         assert all(isinstance(r, wire.StepResult) for r in replies)
         assert len(replies) < 3 * MAX_PUSHED_QUEUED  # refused before it ran them all
         await push.close()
