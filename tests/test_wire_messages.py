@@ -41,6 +41,7 @@ from wire import (
     OpenSession,
     ProtocolError,
     RouteOptions,
+    Sampling,
     ServerInfo,
     SessionOpened,
     StatusRequest,
@@ -138,12 +139,14 @@ EXAMPLES: list[Message] = [
         input_ids=(1, 2, 3),
         model="smollm2-135m-instruct",
         max_new_tokens=5,
-        do_sample=True,
-        temperature=0.7,
-        top_k=50,
-        top_p=0.9,
-        repetition_penalty=1.1,
-        seed=(1 << 64) - 1,
+        sampling=Sampling(
+            do_sample=True,
+            temperature=0.7,
+            top_k=50,
+            top_p=0.9,
+            repetition_penalty=1.1,
+            seed=(1 << 64) - 1,
+        ),
         stop=("\n\n", "User:"),
         active_adapter="lora-a",
         routing=ROUTING,
@@ -414,8 +417,14 @@ def test_a_tensor_bigger_than_the_frame_limit_is_refused_even_when_lz4_makes_it_
         (lambda: Generate(prompts=("a", "b"), session_id="s", max_new_tokens=5), "no session_id"),
         (lambda: Generate(prompt="a", input_ids=(1,), max_new_tokens=5), "exactly one of prompt"),
         (lambda: Generate(prompt="a", max_new_tokens=0), ">= 1"),
-        (lambda: Generate(prompt="a", max_new_tokens=5, temperature=0.0), "> 0.0"),
-        (lambda: Generate(prompt="a", max_new_tokens=5, top_p=1.5), "<= 1.0"),
+        (lambda: Sampling(temperature=0.0), r"Sampling\.temperature: must be > 0\.0"),
+        (lambda: Sampling(top_p=1.5), r"Sampling\.top_p: must be <= 1\.0"),
+        (
+            lambda: Generate.from_dict(
+                {"prompt": "a", "max_new_tokens": 5, "sampling": {"top_k": 0}}
+            ),
+            r"generate\.sampling\.top_k: must be >= 1",
+        ),
         (lambda: Generate(input_ids=(1, -1), max_new_tokens=5), r"input_ids\[1\]: must be >= 0"),
         (lambda: Generate(prompt="a", max_new_tokens=5, stop=("",)), "at least 1 characters"),
         (lambda: GenerateDone(reason="tired", token_count=1), "length, stop, eos, cancelled"),
@@ -441,8 +450,9 @@ def test_construction_validates(build: Any, reason: str) -> None:
 
 
 def test_construction_normalises() -> None:
-    generate = Generate(input_ids=[5, 6], max_new_tokens=1, temperature=1)  # type: ignore[arg-type]
-    assert generate.input_ids == (5, 6) and isinstance(generate.temperature, float)
+    generate = Generate(input_ids=[5, 6], max_new_tokens=1)  # type: ignore[arg-type]
+    assert generate.input_ids == (5, 6) and generate.sampling == Sampling()  # greedy by default
+    assert isinstance(Sampling(temperature=1).temperature, float)  # type: ignore[arg-type]
     assert ServerInfo.from_dict({**INFO.to_dict(), "updated_at": 5.0}) == INFO  # extra keys ignored
 
 

@@ -1,10 +1,11 @@
 """Messages between a local client (`peerd chat`, the client library, the gateway) and the daemon.
 
 They travel over the daemon's Unix socket in the same frames as the peer protocol
-(docs/wire.md#local-api). A client sends Generate and receives GeneratedToken messages, one per
-token, then GenerateDone; Cancel stops the generation in flight. StatusRequest is answered with
-StatusResponse. TrainingForward / TrainingBackward run cache-less passes for fine-tuning. A
-failed request is answered with `wire.peer_protocol.Error`, shared by both protocols.
+(docs/wire.md#local-api). A client sends Generate (its Sampling record says how to pick each
+token) and receives GeneratedToken messages, one per token, then GenerateDone; Cancel stops the
+generation in flight. StatusRequest is answered with StatusResponse. TrainingForward /
+TrainingBackward run cache-less passes for fine-tuning. A failed request is answered with
+`wire.peer_protocol.Error`, shared by both protocols.
 """
 
 from __future__ import annotations
@@ -106,6 +107,24 @@ class RouteOptions(Record):
                     raise ValueError(f"{name}: {peer_id!r} is not a peer id: {problem}")
 
 
+@record
+class Sampling(Record):
+    """How to pick the next token, one record from the command line or client library to the
+    daemon's sampler; the defaults are greedy decoding (argmax after the repetition penalty).
+    With do_sample false, temperature, top_k and top_p are not used."""
+
+    do_sample: bool = False
+    temperature: float = spec(default=1.0, gt=0.0, le=100.0)
+    top_k: int | None = spec(default=None, ge=1, le=MAX_TOKEN_ID)
+    """Sample among the k likeliest tokens (None: all)."""
+    top_p: float | None = spec(default=None, gt=0.0, le=1.0)
+    """Sample among the likeliest tokens that reach this probability mass (None: all)."""
+    repetition_penalty: float = spec(default=1.0, gt=0.0, le=100.0)
+    """CTRL-style penalty on tokens already in the sequence, as transformers applies it."""
+    seed: int | None = spec(default=None, ge=0, le=(1 << 64) - 1)
+    """Seeds the sampler, so the same request samples the same tokens (None: random)."""
+
+
 @message("generate")
 class Generate(Message):
     """Generate up to max_new_tokens after `prompt` (text), `input_ids`, or each of `prompts`
@@ -117,12 +136,8 @@ class Generate(Message):
     )
     model: str | None = spec(default=None, min_len=1, max_len=MAX_MODEL_LEN)
     max_new_tokens: int = spec(ge=1, le=MAX_NEW_TOKENS)
-    do_sample: bool = False
-    temperature: float = spec(default=1.0, gt=0.0, le=100.0)
-    top_k: int | None = spec(default=None, ge=1, le=MAX_TOKEN_ID)
-    top_p: float | None = spec(default=None, gt=0.0, le=1.0)
-    repetition_penalty: float = spec(default=1.0, gt=0.0, le=100.0)
-    seed: int | None = spec(default=None, ge=0, le=(1 << 64) - 1)
+    sampling: Sampling = spec(default_factory=Sampling)
+    """How to pick each token (the default: greedy decoding)."""
     stop: tuple[str, ...] = spec(
         default=(), max_items=MAX_STOP_SEQUENCES, min_len=1, max_len=MAX_STOP_LEN
     )

@@ -305,7 +305,7 @@ async def run_generation(
             input_ids=list(input_ids) if input_ids is not None else None,
             chat=chat,
             session=session,
-            **sampling.options(),
+            options=sampling,
         )
         async with aclosing(cast(AsyncGenerator[wire.Message, None], tokens)):
             async for message in tokens:

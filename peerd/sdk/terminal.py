@@ -9,20 +9,28 @@ from collections.abc import Callable, Iterable
 from typing import Any, TextIO
 
 import wire
-from peerd.sdk.client import Client, GenerateOptions
+from peerd.sdk.client import Client, DaemonNotRunning, GenerateOptions, PeerdError
 
 HELP = "commands: /reset (new conversation), /route (servers in use), /quit; Ctrl-C stops an answer"
 CHAT_MAX_LENGTH = 4096
 
 
 def stream_answer(
-    client: Client, prompt: str, out: TextIO, *, chat: bool, session: str | None, **options: Any
+    client: Client,
+    prompt: str,
+    out: TextIO,
+    *,
+    chat: bool,
+    session: str | None,
+    options: GenerateOptions | None = None,
+    **kwargs: Any,
 ) -> tuple[int, float, str]:
-    """Print the answer as it streams; return (tokens, seconds, reason). Ctrl-C stops it."""
+    """Print the answer as it streams; return (tokens, seconds, reason). Ctrl-C stops it.
+    `options` (GenerateOptions) with `kwargs` (its fields) laid over them say how to generate."""
     started = time.perf_counter()
     tokens = 0
     reason = "cancelled"
-    messages = client.stream_tokens(prompt, chat=chat, session=session, **options)
+    messages = client.stream_tokens(prompt, chat=chat, session=session, options=options, **kwargs)
     try:
         for message in messages:
             if isinstance(message, wire.GeneratedToken):
@@ -78,7 +86,7 @@ def run_chat(
             out.write(f"unknown command {text}; {HELP}\n")
             continue
         tokens, seconds, reason = stream_answer(
-            client, text, out, chat=True, session=session, **options.options()
+            client, text, out, chat=True, session=session, options=options
         )
         stopped = " (stopped)" if reason == "cancelled" else ""
         out.write(f"[{tokens} tokens, {tokens / max(seconds, 1e-9):.1f} tokens/s{stopped}]\n")
@@ -206,6 +214,39 @@ def status_table(status: wire.StatusResponse) -> Any:
     return Group(*parts)
 
 
+class _StatusPoller:
+    """Asks the daemon for its status, reconnecting after the daemon went away: a failure is
+    returned (to be shown) rather than raised."""
+
+    def __init__(self, connect: Callable[[], Client]) -> None:
+        self._connect = connect
+        self._client: Client | None = None
+
+    def current(self) -> wire.StatusResponse | Exception:
+        try:
+            if self._client is None:
+                self._client = self._connect()
+            return self._client.status()
+        except (DaemonNotRunning, PeerdError, OSError) as e:
+            self.close()
+            return e
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def _shown(reply: wire.StatusResponse | Exception, interval: float, live: bool) -> Any:
+    """One refresh as a terminal shows it: a rich renderable when live, else plain text."""
+    from rich.text import Text
+
+    stamp = time.strftime("%H:%M:%S")
+    if isinstance(reply, Exception):
+        return Text(f"{stamp}  {reply} (asking again in {interval:g} s)", style="yellow")
+    return status_table(reply) if live else f"{stamp}\n{format_status(reply)}\n"
+
+
 def watch_status(
     connect: Callable[[], Client],
     interval: float,
@@ -219,51 +260,29 @@ def watch_status(
     running is shown as such and asked again at the next refresh."""
     from rich.console import Console
     from rich.live import Live
-    from rich.text import Text
-
-    from peerd.sdk.client import DaemonNotRunning, PeerdError
 
     console = Console(file=out)
     live = console.is_terminal if live is None else live
-    client: Client | None = None
-
-    def current() -> Any:
-        nonlocal client
-        try:
-            if client is None:
-                client = connect()
-            return client.status()
-        except (DaemonNotRunning, PeerdError, OSError) as e:
-            if client is not None:
-                client.close()
-            client = None
-            return e
-
-    def show(reply: Any) -> Any:
-        stamp = time.strftime("%H:%M:%S")
-        if isinstance(reply, Exception):
-            return Text(f"{stamp}  {reply} (asking again in {interval:g} s)", style="yellow")
-        return status_table(reply) if live else f"{stamp}\n{format_status(reply)}\n"
-
+    poller = _StatusPoller(connect)
     shown = 0
     try:
         if live:
-            with Live(show(current()), console=console, auto_refresh=False) as view:
+            first = _shown(poller.current(), interval, live)
+            with Live(first, console=console, auto_refresh=False) as view:
                 shown = 1
                 while count is None or shown < count:
                     time.sleep(interval)
-                    view.update(show(current()), refresh=True)
+                    view.update(_shown(poller.current(), interval, live), refresh=True)
                     shown += 1
         else:
             while count is None or shown < count:
                 if shown:
                     time.sleep(interval)
-                reply = show(current())
+                reply = _shown(poller.current(), interval, live)
                 out.write(reply if isinstance(reply, str) else f"{reply}\n")
                 out.flush()
                 shown += 1
     except KeyboardInterrupt:
         pass
     finally:
-        if client is not None:
-            client.close()
+        poller.close()

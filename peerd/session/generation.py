@@ -13,32 +13,14 @@ from typing import Any
 
 import torch
 
+import wire
 from blocks import ClientSide
 from peerd.session.coalesce import Coalescer
 from peerd.session.inference import InferenceSession
 from peerd.session.swarm import SwarmView
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How to pick the next token; the defaults are greedy decoding."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+SamplingParams = wire.Sampling
+"""How to pick the next token: the local API's own record (validated on decode), defaults greedy."""
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -47,7 +29,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     if params.top_k:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
+    if params.top_p is not None and params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         # Drop a token when the tokens before it already reach top_p (the first always stays).
