@@ -32,8 +32,8 @@ from peerd.daemon.local_api import ApiError, LocalApi
 from routing.records import info_to_record
 from tests.test_wire_fuzz import BYTE_MUTATIONS, CORPUS
 from wire import ProtocolError, decode_message, encode_message, message_types
+from wire.fields import WireField
 from wire.packing import packb
-from wire.schema import _Field
 
 MAX_FRAME = 64 << 10
 EXAMPLES_PER_TYPE = 50
@@ -69,7 +69,7 @@ def _near(limit: float | None) -> list[int]:
     return [n - 1, n, n + 1]
 
 
-def _ints(field: _Field, clean: bool) -> st.SearchStrategy[int]:
+def _ints(field: WireField, clean: bool) -> st.SearchStrategy[int]:
     rule = field.rule
     if clean:  # inside the field's bounds, edges included
         low = max(
@@ -88,7 +88,7 @@ def _ints(field: _Field, clean: bool) -> st.SearchStrategy[int]:
     return st.one_of(st.sampled_from(edges), st.integers(-(1 << 63), (1 << 64) - 1))
 
 
-def _texts(field: _Field, clean: bool) -> st.SearchStrategy[str]:
+def _texts(field: WireField, clean: bool) -> st.SearchStrategy[str]:
     rule = field.rule
     longest = rule.max_len if rule.max_len is not None and rule.max_len < 300 else 300
     if clean:
@@ -99,7 +99,7 @@ def _texts(field: _Field, clean: bool) -> st.SearchStrategy[str]:
 
 
 @st.composite
-def _tensor_maps(draw: st.DrawFn, field: _Field, clean: bool) -> dict[str, Any]:
+def _tensor_maps(draw: st.DrawFn, field: WireField, clean: bool) -> dict[str, Any]:
     """An encoded tensor of any dtype and codec (of the field's kind when clean), else perhaps
     broken in one place."""
     names = sorted(wire.DTYPES)
@@ -127,7 +127,7 @@ def _tensor_maps(draw: st.DrawFn, field: _Field, clean: bool) -> dict[str, Any]:
     return encoded
 
 
-def _values(field: _Field, clean: bool) -> st.SearchStrategy[Any]:
+def _values(field: WireField, clean: bool) -> st.SearchStrategy[Any]:
     kind = field.kind
     if kind == "int":
         valid: st.SearchStrategy[Any] = _ints(field, clean)
@@ -177,7 +177,7 @@ def _values(field: _Field, clean: bool) -> st.SearchStrategy[Any]:
     return valid if clean else st.one_of(valid, valid, valid, junk)
 
 
-def _bodies(fields: tuple[_Field, ...], clean: bool) -> st.SearchStrategy[dict[str, Any]]:
+def _bodies(fields: tuple[WireField, ...], clean: bool) -> st.SearchStrategy[dict[str, Any]]:
     """A message body: every field in range (`clean`), or near-valid with junk, gaps and
     unknown keys."""
     strategies = {field.name: _values(field, clean) for field in fields}
@@ -189,7 +189,7 @@ def _bodies(fields: tuple[_Field, ...], clean: bool) -> st.SearchStrategy[dict[s
     return st.builds(lambda body, more: {**more, **body}, st.one_of(complete, partial), extra)
 
 
-def _any_bodies(fields: tuple[_Field, ...]) -> st.SearchStrategy[Any]:
+def _any_bodies(fields: tuple[WireField, ...]) -> st.SearchStrategy[Any]:
     clean, dirty = _bodies(fields, True), _bodies(fields, False)
     return st.one_of(clean, clean, dirty, dirty, junk)
 

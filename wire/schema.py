@@ -7,13 +7,13 @@ schema (docs/wire.md#adding-a-message):
     class CloseSession(Message):
         session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
 
-Annotations understood: int, float, bool, str, bytes, torch.Tensor, Literal["a", "b"], a @record
-class (a nested map), tuple[X, ...] (a list), and `X | None` (optional: omitted or nil on the wire,
-must default to None). Constructing a message validates it (MalformedMessage on a bad field), so a
-peer never receives what it would refuse; decoding runs the same checks on the wire values, with
-the path of the bad field in the error. Unknown keys in a body are ignored, so a newer peer can add
-an optional field without breaking older ones; a change older peers must not ignore bumps
-PROTOCOL_VERSION.
+Annotations understood (wire.fields): int, float, bool, str, bytes, torch.Tensor, Literal["a", "b"]
+or a str-valued Enum, a @record class (a nested map), tuple[X, ...] (a list), and `X | None`
+(optional: omitted or nil on the wire, must default to None). Constructing a message validates
+it (MalformedMessage on a bad field), so a peer never receives what it would refuse; decoding runs
+the same checks on the wire values, with the path of the bad field in the error. Unknown keys in a
+body are ignored, so a newer peer can add an optional field without breaking older ones; a change
+older peers must not ignore bumps PROTOCOL_VERSION.
 
 Envelope of every frame: `{"protocol": PROTOCOL_VERSION, "type": "<tag>", "body": {fields}}`. The
 version is checked before anything else in the frame, so peers of different versions fail with
@@ -23,13 +23,11 @@ VersionMismatch whatever else changed.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
+import enum
 import types
-import typing
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import MISSING, dataclass
-from typing import Any, ClassVar, Literal, TypeAlias, TypeVar, dataclass_transform, overload
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeAlias, TypeVar, dataclass_transform, overload
 
 import torch
 
@@ -41,8 +39,12 @@ from wire.errors import (
     UnknownMessageType,
     VersionMismatch,
 )
+from wire.fields import WireField, compile_fields, spec
+from wire.fields import check_items as _check_items
+from wire.fields import describe as _describe
+from wire.fields import validate as _validate
 from wire.framing import DEFAULT_MAX_FRAME_SIZE, FrameDecoder, decode_frame, encode_frame
-from wire.tensors import DTYPES, Compression, as_compression, decode_tensor, encode_tensor
+from wire.tensors import Compression, as_compression, decode_tensor, encode_tensor
 from wire.tensors import same_tensor as _same_tensor
 
 PROTOCOL_VERSION = 1
@@ -51,143 +53,14 @@ PROTOCOL_VERSION = 1
 OLDEST_PROTOCOL_VERSION = 1
 """The oldest version this peerd still accepts (raise it when dropping support)."""
 
-DEFAULT_MAX_STR_LEN = 256
-"""Characters a str field may hold unless its spec says otherwise: ids, names and addresses."""
-
-DEFAULT_MAX_ITEMS = 64
-"""Items a tuple field may hold unless its spec says otherwise."""
-
-_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
-
 R = TypeVar("R", bound="Record")
 M = TypeVar("M", bound="Message")
-
-
-@dataclass(frozen=True)
-class _Rule:
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-    min_len: int | None = None
-    max_len: int | None = None
-    min_items: int | None = None
-    max_items: int | None = None
-    ndim: int | None = None
-    floating: bool = False
-    allow_nonfinite: bool = False
-
-
-def spec(
-    *,
-    default: Any = MISSING,
-    default_factory: Callable[[], Any] | Any = MISSING,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-    min_len: int | None = None,
-    max_len: int | None = None,
-    min_items: int | None = None,
-    max_items: int | None = None,
-    ndim: int | None = None,
-    floating: bool = False,
-    allow_nonfinite: bool = False,
-) -> Any:
-    """Constraints on one field (a dataclass field specifier).
-
-    ge/gt/le/lt: bounds of an int or float (of each item, for a tuple). min_len/max_len: characters
-    of a str, bytes of a bytes field. min_items/max_items: length of a tuple. ndim/floating: a
-    tensor's dimensions and dtype class. allow_nonfinite: accept inf/nan in a float field.
-    """
-    rule = _Rule(
-        ge, gt, le, lt, min_len, max_len, min_items, max_items, ndim, floating, allow_nonfinite
-    )
-    return dataclasses.field(
-        default=default, default_factory=default_factory, metadata={"wire": rule}
-    )
-
-
-@dataclass(frozen=True)
-class _Field:
-    name: str
-    kind: str  # int float bool str bytes tensor literal record tuple
-    optional: bool
-    rule: _Rule
-    make_default: Callable[[], Any] | None = None  # None: the field is required
-    choices: tuple[str, ...] = ()
-    record: type[Record] | None = None
-    item: _Field | None = None
-
-
-_SCALARS: dict[Any, str] = {
-    int: "int",
-    float: "float",
-    bool: "bool",
-    str: "str",
-    bytes: "bytes",
-    torch.Tensor: "tensor",
-}
-
-
-def _compile_type(name: str, annotation: Any, rule: _Rule, owner: type) -> _Field:
-    optional = False
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-        if len(args) != 1 or len(typing.get_args(annotation)) != 2:
-            raise TypeError(f"{owner.__name__}.{name}: only `X | None` unions are supported")
-        optional = True
-        annotation = args[0]
-        origin = typing.get_origin(annotation)
-    if annotation in _SCALARS:
-        return _Field(name, _SCALARS[annotation], optional, rule)
-    if origin is Literal:
-        choices = typing.get_args(annotation)
-        if not all(isinstance(choice, str) for choice in choices):
-            raise TypeError(f"{owner.__name__}.{name}: Literal choices must be str")
-        return _Field(name, "literal", optional, rule, choices=choices)
-    if origin is tuple:
-        item_args = typing.get_args(annotation)
-        if len(item_args) != 2 or item_args[1] is not Ellipsis:
-            raise TypeError(f"{owner.__name__}.{name}: use tuple[X, ...] for a list field")
-        item = _compile_type(f"{name}[]", item_args[0], rule, owner)
-        if item.optional or item.kind == "tuple":
-            raise TypeError(f"{owner.__name__}.{name}: items may not be optional or tuples")
-        return _Field(name, "tuple", optional, rule, item=item)
-    if isinstance(annotation, type) and issubclass(annotation, Record):
-        if not hasattr(annotation, "_wire_fields"):
-            raise TypeError(f"{owner.__name__}.{name}: {annotation.__name__} is not a @record")
-        return _Field(name, "record", optional, rule, record=annotation)
-    raise TypeError(f"{owner.__name__}.{name}: no wire encoding for {annotation!r}")
-
-
-def _constant(value: Any) -> Any:
-    return value
-
-
-def _compile(cls: type[Record]) -> None:
-    hints = typing.get_type_hints(cls)
-    compiled = []
-    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
-        rule = field.metadata.get("wire", _Rule())
-        compiled_field = _compile_type(field.name, hints[field.name], rule, cls)
-        if field.default is not MISSING:
-            compiled_field = dataclasses.replace(
-                compiled_field, make_default=functools.partial(_constant, field.default)
-            )
-        elif field.default_factory is not MISSING:
-            compiled_field = dataclasses.replace(compiled_field, make_default=field.default_factory)
-        if compiled_field.optional and field.default is not None:
-            raise TypeError(f"{cls.__name__}.{field.name}: an optional field must default to None")
-        compiled.append(compiled_field)
-    cls._wire_fields = tuple(compiled)
 
 
 class Record:
     """Base of a validated map of fields; declare one with @record (or @message for a message)."""
 
-    _wire_fields: ClassVar[tuple[_Field, ...]]
+    _wire_fields: ClassVar[tuple[WireField, ...]]
 
     def __post_init__(self) -> None:
         label = getattr(self, "TYPE", type(self).__name__)
@@ -242,7 +115,7 @@ _MESSAGE_TYPES: dict[str, type[Message]] = {}
 def record(cls: type[R]) -> type[R]:
     """Declare a nested record (a map inside messages), e.g. ServerInfo."""
     built = dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)(cls)
-    _compile(built)
+    built._wire_fields = compile_fields(built, Record)
     return built
 
 
@@ -261,7 +134,7 @@ def message(tag: str) -> Callable[[type[M]], type[M]]:
             raise TypeError(f"@message class {cls.__name__} must subclass Message")
         cls.TYPE = tag
         built = dataclasses.dataclass(frozen=True, kw_only=True, eq=False, repr=False)(cls)
-        _compile(built)
+        built._wire_fields = compile_fields(built, Record)
         _MESSAGE_TYPES[tag] = built
         return built
 
@@ -271,118 +144,6 @@ def message(tag: str) -> Callable[[type[M]], type[M]]:
 def message_types() -> Mapping[str, type[Message]]:
     """Every registered message class by wire tag (read-only)."""
     return types.MappingProxyType(_MESSAGE_TYPES)
-
-
-# --- validation (shared by construction and decoding) ------------------------------------------
-
-
-def _validate(field: _Field, value: Any, path: str) -> Any:
-    """Check a Python value against its field; return it normalised (tuple for list, etc.)."""
-    if value is None:
-        if field.optional:
-            return None
-        raise MalformedMessage(f"{path}: required, got nothing")
-    kind, rule = field.kind, field.rule
-    if kind == "int":
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise MalformedMessage(f"{path}: must be an integer, got {_describe(value)}")
-        value = int(value)
-        low = _INT64_MIN if rule.ge is None and rule.gt is None else None
-        high = _INT64_MAX if rule.le is None and rule.lt is None else None
-        _check_range(value, rule, path, low, high)
-    elif kind == "float":
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise MalformedMessage(f"{path}: must be a number, got {_describe(value)}")
-        value = float(value)
-        if not rule.allow_nonfinite and not math.isfinite(value):
-            raise MalformedMessage(f"{path}: must be a finite number, got {value}")
-        _check_range(value, rule, path, None, None)
-    elif kind == "bool":
-        if not isinstance(value, bool):
-            raise MalformedMessage(f"{path}: must be true or false, got {_describe(value)}")
-    elif kind == "str":
-        if not isinstance(value, str):
-            raise MalformedMessage(f"{path}: must be a string, got {_describe(value)}")
-        value = str(value)
-        _check_length(len(value), rule, path, "characters", DEFAULT_MAX_STR_LEN)
-    elif kind == "bytes":
-        if not isinstance(value, bytes | bytearray | memoryview):
-            raise MalformedMessage(f"{path}: must be binary, got {_describe(value)}")
-        value = bytes(value)
-        _check_length(len(value), rule, path, "bytes", None)
-    elif kind == "literal":
-        if not isinstance(value, str) or value not in field.choices:
-            raise MalformedMessage(
-                f"{path}: must be one of {', '.join(field.choices)}; got {_describe(value)}"
-            )
-        value = str(value)
-    elif kind == "tensor":
-        _check_tensor(value, rule, path)
-    elif kind == "record":
-        assert field.record is not None
-        if not isinstance(value, field.record):
-            raise MalformedMessage(
-                f"{path}: must be a {field.record.__name__}, got {_describe(value)}"
-            )
-    elif kind == "tuple":
-        assert field.item is not None
-        if not isinstance(value, list | tuple):
-            raise MalformedMessage(f"{path}: must be a list, got {_describe(value)}")
-        _check_items(len(value), rule, path)
-        item_field = field.item
-        items = value
-        try:
-            value = tuple(_validate(item_field, item, path) for item in items)
-        except MalformedMessage:
-            # Paths are built only on failure: a list may hold 100k token ids.
-            for index, item in enumerate(items):
-                _validate(item_field, item, f"{path}[{index}]")
-            raise
-    return value
-
-
-def _check_range(
-    value: float, rule: _Rule, path: str, low: float | None, high: float | None
-) -> None:
-    if rule.ge is not None and not value >= rule.ge:
-        raise MalformedMessage(f"{path}: must be >= {rule.ge}, got {value}")
-    if rule.gt is not None and not value > rule.gt:
-        raise MalformedMessage(f"{path}: must be > {rule.gt}, got {value}")
-    if rule.le is not None and not value <= rule.le:
-        raise MalformedMessage(f"{path}: must be <= {rule.le}, got {value}")
-    if rule.lt is not None and not value < rule.lt:
-        raise MalformedMessage(f"{path}: must be < {rule.lt}, got {value}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        raise MalformedMessage(f"{path}: {value} does not fit in 64 bits")
-
-
-def _check_length(size: int, rule: _Rule, path: str, unit: str, default_max: int | None) -> None:
-    most = rule.max_len if rule.max_len is not None else default_max
-    if rule.min_len is not None and size < rule.min_len:
-        raise MalformedMessage(f"{path}: must have at least {rule.min_len} {unit}, got {size}")
-    if most is not None and size > most:
-        raise MalformedMessage(f"{path}: must have at most {most} {unit}, got {size}")
-
-
-def _check_items(count: int, rule: _Rule, path: str) -> None:
-    most = rule.max_items if rule.max_items is not None else DEFAULT_MAX_ITEMS
-    if rule.min_items is not None and count < rule.min_items:
-        raise MalformedMessage(f"{path}: must have at least {rule.min_items} items, got {count}")
-    if count > most:
-        raise MalformedMessage(f"{path}: must have at most {most} items, got {count}")
-
-
-def _check_tensor(value: Any, rule: _Rule, path: str) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise MalformedMessage(f"{path}: must be a tensor, got {_describe(value)}")
-    if value.dtype not in DTYPES.values():
-        raise MalformedMessage(f"{path}: dtype {value.dtype} has no wire encoding")
-    if rule.ndim is not None and value.dim() != rule.ndim:
-        raise MalformedMessage(
-            f"{path}: must have {rule.ndim} dimensions, got shape {list(value.shape)}"
-        )
-    if rule.floating and not value.is_floating_point():
-        raise MalformedMessage(f"{path}: must be a floating tensor, got {value.dtype}")
 
 
 def _run_check(rec: Record, path: str) -> None:
@@ -404,7 +165,7 @@ def _record_to_wire(rec: Record, compression: Compression) -> dict[str, Any]:
     return body
 
 
-def _to_wire(field: _Field, value: Any, compression: Compression) -> Any:
+def _to_wire(field: WireField, value: Any, compression: Compression) -> Any:
     if field.kind == "tensor":
         return encode_tensor(value, compression)
     if field.kind == "record":
@@ -413,6 +174,8 @@ def _to_wire(field: _Field, value: Any, compression: Compression) -> Any:
         assert field.item is not None
         item = field.item
         return [_to_wire(item, element, compression) for element in value]
+    if field.choice_type is not None:
+        return value.value  # the plain string, not the Enum
     return value
 
 
@@ -440,7 +203,7 @@ def _record_from_wire(cls: type[R], body: Any, path: str, limits: _DecodeLimits)
     return rec
 
 
-def _from_wire(field: _Field, value: Any, path: str, limits: _DecodeLimits) -> Any:
+def _from_wire(field: WireField, value: Any, path: str, limits: _DecodeLimits) -> Any:
     if value is None:
         return None
     if field.kind == "tensor":
@@ -607,6 +370,8 @@ class MessageDecoder:
 def _plain(value: Any) -> Any:
     if isinstance(value, Record):
         return value.to_dict()
+    if isinstance(value, enum.Enum):
+        return value.value
     if isinstance(value, tuple):
         return [_plain(item) for item in value]
     return value
@@ -629,13 +394,3 @@ def _short_repr(value: Any) -> str:
         return f"({', '.join(_short_repr(v) for v in value)}{',' if len(value) == 1 else ''})"
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, bytes | bytearray | memoryview):
-        return f"{len(value)} bytes of binary"
-    if isinstance(value, dict):
-        return f"a map of {len(value)} entries"
-    if isinstance(value, list | tuple):
-        return f"a list of {len(value)} items"
-    return f"{type(value).__name__} {value!r:.60}"
