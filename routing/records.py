@@ -18,23 +18,14 @@ passes through the span passes through each of its blocks.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
 import wire
-
-
-class ServerState(enum.StrEnum):
-    """Where a server is in its life; only `ONLINE` servers take new sessions."""
-
-    JOINING = "joining"  # announced its span, still loading weights or measuring throughput
-    ONLINE = "online"
-    DRAINING = "draining"  # finishing open sessions before it leaves or moves; takes no new ones
-
+from wire import ServerState
 
 # Servers a route may use: a joining server cannot compute yet, a draining one refuses new work.
 ROUTABLE_STATES: frozenset[ServerState] = frozenset({ServerState.ONLINE})
@@ -43,84 +34,57 @@ ROUTABLE_STATES: frozenset[ServerState] = frozenset({ServerState.ONLINE})
 SELECTION_STATES: frozenset[ServerState] = frozenset({ServerState.JOINING, ServerState.ONLINE})
 
 
-@dataclass(frozen=True)
-class ServerRecord:
-    """One server's announcement: it serves blocks [start, end) of `model`.
+@wire.record
+class ServerRecord(wire.ServerInfo):
+    """One server's announcement as routing keeps it: the wire's ServerInfo (its fields, and their
+    checks, are declared there once), and when it was made and stops being valid.
 
     throughput: decode-step tokens/s through the whole span (see the module docstring).
     free_cache_tokens: tokens of KV cache the server can still give a new session for its whole
         span; a route for inference skips servers with less than the session needs.
     relayed: the server is reachable only through a circuit relay, which costs an extra hop.
-    max_session_length, max_sessions_per_peer, max_inflight_bytes_per_peer: the server's
-        admission limits (0: not announced); a route skips a server whose max_session_length is
-        below the session's.
-    queued_sessions: sessions waiting there for cache now.
-    swarm: the private swarm the server belongs to ("" for the public one).
+    max_session_length: a route skips a server whose limit (0: not announced) is below the
+        session's.
     updated_at / expires_at: seconds on the announcer's clock when the record was made and when
-        it stops being valid unless refreshed (`math.inf`: no expiry known).
+        it stops being valid unless refreshed (`math.inf`: no expiry known). Not sent in a
+        ServerInfo (record_to_info): clocks differ, so expiry is the receiver's business.
+
+    Every check raises ValueError naming the bad field, whether the record is built here or
+    parsed from a peer's map (`from_dict`).
     """
 
-    peer_id: str
-    model: str
-    start: int
-    end: int
-    throughput: float
-    free_cache_tokens: int
-    state: ServerState
-    version: str
-    addrs: tuple[str, ...]
-    relayed: bool
-    adapters: tuple[str, ...] = ()
-    max_session_length: int = 0
-    max_sessions_per_peer: int = 0
-    max_inflight_bytes_per_peer: int = 0
-    queued_sessions: int = 0
-    swarm: str = ""
-    updated_at: float = 0.0
-    expires_at: float = math.inf
+    updated_at: float = wire.spec(default=0.0, allow_nonfinite=True)
+    expires_at: float = wire.spec(default=math.inf, allow_nonfinite=True)
 
     def __post_init__(self) -> None:
-        who = "server record"
-        if isinstance(self.peer_id, str):
-            who = f"server record of peer {self.peer_id!r}"
-        _check_str(who, "peer_id", self.peer_id, nonempty=True)
-        _check_str(who, "model", self.model, nonempty=True)
-        _check_int(who, "start", self.start)
-        _check_int(who, "end", self.end)
-        if not 0 <= self.start < self.end:
-            raise ValueError(
-                f"bad {who}: span [{self.start}, {self.end}) must satisfy 0 <= start < end"
-            )
-        _check_number(who, "throughput", self.throughput)
-        if not math.isfinite(self.throughput) or self.throughput < 0:
-            raise ValueError(
-                f"bad {who}: throughput must be a finite number >= 0 tokens/s, "
-                f"got {self.throughput!r}"
-            )
-        _check_int(who, "free_cache_tokens", self.free_cache_tokens)
-        if self.free_cache_tokens < 0:
-            raise ValueError(
-                f"bad {who}: free_cache_tokens must be >= 0, got {self.free_cache_tokens}"
-            )
-        if not isinstance(self.state, ServerState):
-            raise ValueError(
-                f"bad {who}: state must be a ServerState, got {type(self.state).__name__}"
-            )
-        _check_str(who, "version", self.version)
-        _check_str(who, "swarm", self.swarm)
-        _check_str_tuple(who, "addrs", self.addrs)
-        if not isinstance(self.relayed, bool):
-            raise ValueError(f"bad {who}: relayed must be a bool, got {_kind(self.relayed)}")
-        _check_str_tuple(who, "adapters", self.adapters)
-        for name in _LIMIT_FIELDS:
-            _check_int(who, name, getattr(self, name))
-            if getattr(self, name) < 0:
-                raise ValueError(f"bad {who}: {name} must be >= 0, got {getattr(self, name)}")
+        try:
+            super().__post_init__()
+        except wire.MalformedMessage as error:
+            raise ValueError(f"bad {_whose(self.peer_id)}: {error}") from None
+
+    def check(self) -> None:
+        super().check()
         for name in ("updated_at", "expires_at"):
-            value = getattr(self, name)
-            _check_number(who, name, value)
-            if math.isnan(value):
-                raise ValueError(f"bad {who}: {name} must not be NaN")
+            if math.isnan(getattr(self, name)):
+                raise ValueError(f"{name} must not be NaN")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ServerRecord:
+        """Parse a map from the wire; raise ValueError naming the first bad field.
+
+        Unknown keys are ignored so that a newer peer can add fields without breaking older ones.
+        """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"bad server record: expected a map, got {type(d).__name__}")
+        try:
+            return super().from_dict(d)
+        except wire.MalformedMessage as error:
+            raise ValueError(f"bad {_whose(d.get('peer_id'))}: {error}") from None
+
+    # Hashable, unlike wire records (which may hold tensors): routes hold records and may be
+    # used as keys. Equal records have the same peer, span and time.
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash((self.peer_id, self.start, self.end, self.updated_at))
 
     @property
     def span(self) -> tuple[int, int]:
@@ -143,98 +107,9 @@ class ServerRecord:
     def is_expired(self, now: float) -> bool:
         return now >= self.expires_at
 
-    def to_dict(self) -> dict[str, Any]:
-        """A plain map of str, int, float, bool and lists, ready for msgpack."""
-        return {
-            "peer_id": self.peer_id,
-            "model": self.model,
-            "start": self.start,
-            "end": self.end,
-            "throughput": float(self.throughput),
-            "free_cache_tokens": self.free_cache_tokens,
-            "state": self.state.value,
-            "version": self.version,
-            "addrs": list(self.addrs),
-            "relayed": self.relayed,
-            "adapters": list(self.adapters),
-            **{name: getattr(self, name) for name in _LIMIT_FIELDS},
-            "swarm": self.swarm,
-            "updated_at": float(self.updated_at),
-            "expires_at": float(self.expires_at),
-        }
 
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> ServerRecord:
-        """Parse a map from the wire; raise ValueError naming the first bad field.
-
-        Unknown keys are ignored so that a newer peer can add fields without breaking older ones.
-        """
-        if not isinstance(d, Mapping):
-            raise ValueError(f"bad server record: expected a map, got {_kind(d)}")
-        missing = [name for name in _REQUIRED_FIELDS if name not in d]
-        if missing:
-            raise ValueError(f"bad server record: missing field(s) {', '.join(missing)}")
-        kwargs: dict[str, Any] = {name: d[name] for name in _ALL_FIELDS if name in d}
-        for name in ("addrs", "adapters"):
-            if name in kwargs and isinstance(kwargs[name], list):
-                kwargs[name] = tuple(kwargs[name])
-        state = kwargs["state"]
-        if isinstance(state, str) and not isinstance(state, ServerState):
-            try:
-                kwargs["state"] = ServerState(state)
-            except ValueError:
-                allowed = ", ".join(s.value for s in ServerState)
-                raise ValueError(
-                    f"bad server record: state must be one of {allowed}, got {state!r}"
-                ) from None
-        elif not isinstance(state, ServerState):
-            raise ValueError(f"bad server record: state must be a string, got {_kind(state)}")
-        for name in ("throughput", "updated_at", "expires_at"):
-            # msgpack may hand back an int for a float field that happened to be whole.
-            if name in kwargs and type(kwargs[name]) is int:
-                kwargs[name] = float(kwargs[name])
-        return cls(**kwargs)
-
-
-_ALL_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(ServerRecord))
-_LIMIT_FIELDS = (
-    "max_session_length",
-    "max_sessions_per_peer",
-    "max_inflight_bytes_per_peer",
-    "queued_sessions",
-)
-_OPTIONAL_FIELDS = frozenset({"adapters", "swarm", "updated_at", "expires_at", *_LIMIT_FIELDS})
-_REQUIRED_FIELDS: tuple[str, ...] = tuple(n for n in _ALL_FIELDS if n not in _OPTIONAL_FIELDS)
-
-
-def _kind(value: object) -> str:
-    return type(value).__name__
-
-
-def _check_str(who: str, name: str, value: object, *, nonempty: bool = False) -> None:
-    if not isinstance(value, str):
-        raise ValueError(f"bad {who}: {name} must be a string, got {_kind(value)}")
-    if nonempty and not value:
-        raise ValueError(f"bad {who}: {name} must not be empty")
-
-
-def _check_int(who: str, name: str, value: object) -> None:
-    # bool is an int subclass; a True where a block index belongs is a bug, not a 1.
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"bad {who}: {name} must be an int, got {_kind(value)}")
-
-
-def _check_number(who: str, name: str, value: object) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise ValueError(f"bad {who}: {name} must be a number, got {_kind(value)}")
-
-
-def _check_str_tuple(who: str, name: str, value: object) -> None:
-    if not isinstance(value, tuple):
-        raise ValueError(f"bad {who}: {name} must be a list of strings, got {_kind(value)}")
-    for item in value:
-        if not isinstance(item, str):
-            raise ValueError(f"bad {who}: {name} must hold only strings, found {_kind(item)}")
+def _whose(peer_id: object) -> str:
+    return f"server record of peer {peer_id!r}" if isinstance(peer_id, str) else "server record"
 
 
 def contiguous_ranges(blocks: Iterable[int]) -> tuple[tuple[int, int], ...]:
@@ -387,9 +262,7 @@ class SwarmSnapshot:
 
 def record_to_info(record: ServerRecord) -> wire.ServerInfo:
     """Our record as the wire's ServerInfo (expiry is the receiver's business: clocks differ)."""
-    fields = record.to_dict()
-    del fields["updated_at"], fields["expires_at"]
-    return wire.ServerInfo.from_dict(fields)
+    return wire.ServerInfo.from_dict(record.to_dict())  # from_dict leaves out the record's own
 
 
 def info_to_record(info: wire.ServerInfo) -> ServerRecord:

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import wire
 from routing.records import (
     SELECTION_STATES,
     ServerRecord,
@@ -17,6 +18,8 @@ from routing.records import (
     SwarmSnapshot,
     contiguous_ranges,
     format_blocks,
+    info_to_record,
+    record_to_info,
 )
 from tests.test_routing_fixtures import MODEL, make_record, make_snapshot, relaxed, swarms
 
@@ -71,33 +74,37 @@ def _good() -> dict[str, Any]:
     return make_record("peerA", 0, 4).to_dict()
 
 
+# The checks are wire.ServerInfo's (one schema, in wire/peer_protocol.py), in its words: the path
+# of the bad field, then what is wrong with it.
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"start": "0"}, "start must be an int, got str"),
-        ({"start": True}, "start must be an int, got bool"),
-        ({"end": 0}, r"span \[0, 0\) must satisfy 0 <= start < end"),
-        ({"start": -1}, "0 <= start < end"),
-        ({"throughput": -1.0}, "throughput must be a finite number >= 0"),
-        ({"throughput": math.nan}, "throughput must be a finite number >= 0"),
-        ({"throughput": math.inf}, "throughput must be a finite number >= 0"),
-        ({"throughput": "fast"}, "throughput must be a number, got str"),
-        ({"free_cache_tokens": -5}, "free_cache_tokens must be >= 0"),
-        ({"free_cache_tokens": 1.5}, "free_cache_tokens must be an int"),
-        ({"max_session_length": -1}, "max_session_length must be >= 0"),
-        ({"queued_sessions": "3"}, "queued_sessions must be an int, got str"),
-        ({"state": "sleeping"}, "state must be one of joining, online, draining"),
-        ({"state": 1}, "state must be a string, got int"),
-        ({"peer_id": ""}, "peer_id must not be empty"),
-        ({"peer_id": 7}, "peer_id must be a string, got int"),
-        ({"model": ""}, "model must not be empty"),
-        ({"version": None}, "version must be a string, got NoneType"),
-        ({"addrs": "/ip4/1.2.3.4"}, "addrs must be a list of strings, got str"),
-        ({"addrs": ["/ip4/1.2.3.4", 5]}, "addrs must hold only strings, found int"),
-        ({"relayed": "no"}, "relayed must be a bool, got str"),
-        ({"adapters": [None]}, "adapters must hold only strings, found NoneType"),
+        ({"start": "0"}, "start: must be an integer, got str"),
+        ({"start": True}, "start: must be an integer, got bool"),
+        ({"end": 0}, "end: must be > 0, got 0"),
+        ({"start": 4, "end": 4}, r"block span end \(4\) must be greater than start \(4\)"),
+        ({"start": -1}, "start: must be >= 0, got -1"),
+        ({"throughput": -1.0}, "throughput: must be >= 0.0, got -1.0"),
+        ({"throughput": math.nan}, "throughput: must be a finite number, got nan"),
+        ({"throughput": math.inf}, "throughput: must be a finite number, got inf"),
+        ({"throughput": "fast"}, "throughput: must be a number, got str"),
+        ({"free_cache_tokens": -5}, "free_cache_tokens: must be >= 0"),
+        ({"free_cache_tokens": 1.5}, "free_cache_tokens: must be an integer"),
+        ({"max_session_length": -1}, "max_session_length: must be >= 0"),
+        ({"queued_sessions": "3"}, "queued_sessions: must be an integer, got str"),
+        ({"state": "sleeping"}, "state: must be one of joining, online, draining; got str"),
+        ({"state": 1}, "state: must be one of joining, online, draining; got int"),
+        ({"peer_id": ""}, "peer_id: must have at least 1 characters"),
+        ({"peer_id": 7}, "peer_id: must be a string, got int"),
+        ({"model": ""}, "model: must have at least 1 characters"),
+        ({"version": None}, "version: required, got nothing"),
+        ({"addrs": "/ip4/1.2.3.4"}, "addrs: must be a list, got str"),
+        ({"addrs": ["/ip4/1.2.3.4", 5]}, r"addrs\[1\]: must be a string, got int"),
+        ({"relayed": "no"}, "relayed: must be true or false, got str"),
+        ({"adapters": [None]}, r"adapters\[0\]: required, got nothing"),
         ({"expires_at": math.nan}, "expires_at must not be NaN"),
-        ({"updated_at": "now"}, "updated_at must be a number, got str"),
+        ({"updated_at": "now"}, "updated_at: must be a number, got str"),
+        ({"addrs": ["/ip4/1.2.3.4"] * 33}, "addrs: must have at most 32 items"),
     ],
 )
 def test_from_dict_names_the_bad_field(changes: dict[str, Any], message: str) -> None:
@@ -105,11 +112,22 @@ def test_from_dict_names_the_bad_field(changes: dict[str, Any], message: str) ->
         ServerRecord.from_dict(_good() | changes)
 
 
-def test_from_dict_lists_missing_fields() -> None:
+def test_record_and_info_convert_both_ways_without_the_expiry() -> None:
+    record = make_record("peerA", 2, 9, state=ServerState.JOINING, updated_at=5.0, expires_at=9.0)
+    info = record_to_info(record)
+    assert type(info) is wire.ServerInfo and info.state is ServerState.JOINING
+    assert "expires_at" not in info.to_dict()
+    assert info_to_record(info) == dataclasses.replace(record, updated_at=0.0, expires_at=math.inf)
+    assert wire.decode_message(wire.encode_message(wire.InfoResponse(record=info))).record == info
+
+
+def test_from_dict_names_a_missing_field() -> None:
     d = _good()
     del d["start"], d["relayed"]
-    with pytest.raises(ValueError, match=r"missing field.*start, relayed"):
+    with pytest.raises(ValueError, match=r"peer 'peerA'.*start: required field is missing"):
         ServerRecord.from_dict(d)
+    del d["addrs"]
+    assert ServerRecord.from_dict(d | {"start": 0}).relayed is False  # ServerInfo's defaults
 
 
 @pytest.mark.parametrize("not_a_map", [None, [1, 2], "peerA", 3])

@@ -83,6 +83,14 @@ class _Span(Record):
             )
 
 
+class ServerState(enum.StrEnum):
+    """Where a server is in its life; only `ONLINE` servers take new sessions."""
+
+    JOINING = "joining"  # announced its span, still loading weights or measuring throughput
+    ONLINE = "online"
+    DRAINING = "draining"  # finishing open sessions before it leaves or moves; takes no new ones
+
+
 @record
 class ServerInfo(_Span):
     """A server's live record, as answered to InfoRequest and kept in swarm snapshots."""
@@ -93,7 +101,7 @@ class ServerInfo(_Span):
     end: int = spec(gt=0, le=MAX_BLOCKS)
     throughput: float = spec(ge=0.0)  # requests*blocks/s the server can serve, as Petals measures
     free_cache_tokens: int = spec(ge=0, le=1 << 40)
-    state: Literal["joining", "online", "draining"]
+    state: ServerState
     version: str = spec(min_len=1, max_len=64)  # peerd software version, e.g. "0.1.0"
     addrs: tuple[str, ...] = spec(default=(), max_items=MAX_ADDRS, min_len=1, max_len=MAX_ADDR_LEN)
     relayed: bool = False
