@@ -11,9 +11,10 @@ where rtt(s) is the smoothed RTT, or `default_rtt_s` for a peer never measured, 
 seconds_per_block(s) = 1 / (throughput(s) * blocks in s's span), throughput being the decode-step
 tokens/s of s's whole span (see routing.records). A hop may use any sub-range of a server's span,
 so a fast server can take over from a slow one mid-span when that pays for the extra round trip.
-The search is Dijkstra over block boundaries 0..L, with a node per (server, boundary) inside a
-span so that leaving a server early is an ordinary edge. Among equally cheap chains it takes the
-one with fewer hops; blocks on servers reporting zero throughput are avoided before anything else.
+The search (routing.chains) is Dijkstra over block boundaries 0..L, with a node per (server,
+boundary) inside a span so that leaving a server early is an ordinary edge. Among equally cheap
+chains it takes the one with fewer hops; blocks on servers reporting zero throughput are avoided
+before anything else.
 
 Training (forward/backward, many short independent calls) spreads load instead: at each boundary
 it picks one of the servers holding the next block at random, weighted by throughput, and runs
@@ -22,15 +23,14 @@ it to the end of that server's span.
 
 from __future__ import annotations
 
-import heapq
-import math
+import functools
 import random
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Literal
 
 from routing.bans import BanList
+from routing.chains import Route, RouteHop, cheapest_route, spread_route
 from routing.records import (
     ROUTABLE_STATES,
     ServerRecord,
@@ -49,19 +49,6 @@ NOT_ALLOWED = "not allowed"
 # Extra cost of a server reached through a circuit relay: at least one more network leg, and
 # relays cap bandwidth, so a direct server with the same span wins unless it is far slower.
 DEFAULT_RELAYED_PENALTY_S = 0.1
-
-
-@dataclass(frozen=True)
-class RouteHop:
-    """Run blocks [start, end) on `peer_id`; `record` is what the planner knew of it."""
-
-    peer_id: str
-    start: int
-    end: int
-    record: ServerRecord
-
-
-Route = tuple[RouteHop, ...]
 
 
 class NoRouteError(LookupError):
@@ -197,6 +184,42 @@ def plan_route(
     Raises NoRouteError when some block has no usable server, ValueError on bad arguments.
     """
     end = snapshot.num_blocks if end is None else end
+    _check_route_request(snapshot, start, end, mode, bans, now)
+    if start == end:
+        return ()
+    inference = mode == "inference"
+    reason = functools.partial(
+        _skip_reason,
+        bans=bans,
+        now=now,
+        allowed=allowed_servers,
+        blocked=blocked_servers,
+        min_free_cache_tokens=min_free_cache_tokens if inference else 0,
+        adapter=adapter,
+        session_length=session_length if inference else 0,
+    )
+    by_block, skipped = _holders_by_block(snapshot, start, end, reason)
+    _check_covered(snapshot, start, by_block, skipped, allowed_servers)
+    if mode == "training":
+        return spread_route(by_block, start, end, rng or random.Random())
+    return cheapest_route(
+        by_block,
+        start,
+        end,
+        rtts=rtts or {},
+        default_rtt_s=default_rtt_s,
+        relayed_penalty_s=relayed_penalty_s,
+    )
+
+
+def _check_route_request(
+    snapshot: SwarmSnapshot,
+    start: int,
+    end: int,
+    mode: Mode,
+    bans: BanList | Collection[str],
+    now: float | None,
+) -> None:
     if not 0 <= start <= end <= snapshot.num_blocks:
         raise ValueError(
             f"cannot route blocks [{start}, {end}) of {snapshot.model}, "
@@ -206,54 +229,49 @@ def plan_route(
         raise ValueError(f"mode must be 'inference' or 'training', got {mode!r}")
     if isinstance(bans, BanList) and now is None:
         raise ValueError("plan_route needs `now` to ask a BanList who is banned")
-    if start == end:
-        return ()
 
-    usable: list[ServerRecord] = []
+
+def _holders_by_block(
+    snapshot: SwarmSnapshot,
+    start: int,
+    end: int,
+    skip_reason: Callable[[ServerRecord], str | None],
+) -> tuple[list[list[ServerRecord]], dict[str, str]]:
+    """Per block of [start, end), the usable servers holding it (in peer_id order), and why
+    each other server holding some of these blocks was skipped."""
+    by_block: list[list[ServerRecord]] = [[] for _ in range(end - start)]
     skipped: dict[str, str] = {}
     for record in sorted(snapshot.records, key=lambda r: r.peer_id):
         if record.end <= start or record.start >= end:
             continue
-        reason = _skip_reason(
-            record,
-            bans=bans,
-            now=now,
-            allowed=allowed_servers,
-            blocked=blocked_servers,
-            min_free_cache_tokens=min_free_cache_tokens if mode == "inference" else 0,
-            adapter=adapter,
-            session_length=session_length if mode == "inference" else 0,
-        )
-        if reason is None:
-            usable.append(record)
-        else:
+        reason = skip_reason(record)
+        if reason is not None:
             skipped[record.peer_id] = reason
-
-    by_block: list[list[ServerRecord]] = [[] for _ in range(end - start)]
-    for record in usable:
+            continue
         for block in range(max(record.start, start), min(record.end, end)):
             by_block[block - start].append(record)
+    return by_block, skipped
+
+
+def _check_covered(
+    snapshot: SwarmSnapshot,
+    start: int,
+    by_block: list[list[ServerRecord]],
+    skipped: Mapping[str, str],
+    allowed_servers: Collection[str] | None,
+) -> None:
+    """NoRouteError naming the blocks no usable server holds, and why their holders were not."""
     missing = contiguous_ranges(start + i for i, servers in enumerate(by_block) if not servers)
-    if missing:
+    if not missing:
+        return
 
-        def holds_missing(peer_id: str) -> bool:
-            r = snapshot.by_peer[peer_id]
-            return any(r.start < b and a < r.end for a, b in missing)
+    def holds_missing(peer_id: str) -> bool:
+        r = snapshot.by_peer[peer_id]
+        return any(r.start < b and a < r.end for a, b in missing)
 
-        reasons = {peer: why for peer, why in skipped.items() if holds_missing(peer)}
-        absent = sorted(set(allowed_servers or ()) - set(snapshot.by_peer))
-        raise NoRouteError(snapshot.model, missing, reasons, absent_allowed=absent)
-
-    if mode == "training":
-        return _spread_route(by_block, start, end, rng or random.Random())
-    return _cheapest_route(
-        by_block,
-        start,
-        end,
-        rtts=rtts or {},
-        default_rtt_s=default_rtt_s,
-        relayed_penalty_s=relayed_penalty_s,
-    )
+    reasons = {peer: why for peer, why in skipped.items() if holds_missing(peer)}
+    absent = sorted(set(allowed_servers or ()) - set(snapshot.by_peer))
+    raise NoRouteError(snapshot.model, missing, reasons, absent_allowed=absent)
 
 
 def replan_from(
@@ -341,107 +359,3 @@ def _skip_reason(
     if 0 < record.max_session_length < session_length:
         return "sessions too short"
     return None
-
-
-# Search nodes are (boundary, server index): server -1 is "between servers" at that boundary,
-# server i >= 0 is "inside server i, having run the blocks up to that boundary". Distances are
-# (blocks on zero-throughput servers, nanoseconds, hops), compared in that order. Whole
-# nanoseconds keep sums exact, so equally cheap chains tie exactly and the hop count decides.
-_Node = tuple[int, int]
-_Dist = tuple[int, int, int]
-
-
-def _nanoseconds(seconds: float) -> int:
-    return round(seconds * 1e9)
-
-
-def _cheapest_route(
-    by_block: list[list[ServerRecord]],
-    start: int,
-    end: int,
-    *,
-    rtts: Mapping[str, float],
-    default_rtt_s: float,
-    relayed_penalty_s: float,
-) -> Route:
-    servers: list[ServerRecord] = []
-    index: dict[str, int] = {}
-    for holders in by_block:
-        for record in holders:
-            if record.peer_id not in index:
-                index[record.peer_id] = len(servers)
-                servers.append(record)
-    entry_cost = [
-        _nanoseconds(rtts.get(r.peer_id, default_rtt_s) + (relayed_penalty_s if r.relayed else 0))
-        for r in servers
-    ]
-    stalled = [1 if r.throughput <= 0 else 0 for r in servers]
-    step_cost = [0 if r.throughput <= 0 else _nanoseconds(r.seconds_per_block) for r in servers]
-
-    source: _Node = (start, -1)
-    dist: dict[_Node, _Dist] = {source: (0, 0, 0)}
-    parent: dict[_Node, _Node] = {}
-    heap: list[tuple[_Dist, _Node]] = [((0, 0, 0), source)]
-
-    def relax(node: _Node, d: _Dist, came_from: _Node) -> None:
-        old = dist.get(node)
-        if old is None or d < old:
-            dist[node] = d
-            parent[node] = came_from
-            heapq.heappush(heap, (d, node))
-
-    while heap:
-        d, node = heapq.heappop(heap)
-        if d > dist[node]:
-            continue
-        boundary, server = node
-        if server == -1:
-            if boundary == end:
-                break
-            for record in by_block[boundary - start]:
-                i = index[record.peer_id]
-                relax(
-                    (boundary + 1, i),
-                    (d[0] + stalled[i], d[1] + entry_cost[i] + step_cost[i], d[2] + 1),
-                    node,
-                )
-        else:
-            relax((boundary, -1), d, node)
-            if boundary < min(servers[server].end, end):
-                relax(
-                    (boundary + 1, server),
-                    (d[0] + stalled[server], d[1] + step_cost[server], d[2]),
-                    node,
-                )
-
-    # Every block has a holder (plan_route checked), so the end boundary was reached.
-    hops: list[RouteHop] = []
-    node = (end, -1)
-    hop_end = end
-    while node != source:
-        previous = parent[node]
-        if node[1] >= 0 and previous[1] == -1:  # entered server node[1] at previous[0]
-            record = servers[node[1]]
-            hops.append(RouteHop(record.peer_id, previous[0], hop_end, record))
-        elif node[1] == -1 and previous[1] >= 0:  # left a server at this boundary
-            hop_end = node[0]
-        node = previous
-    hops.reverse()
-    return tuple(hops)
-
-
-def _spread_route(
-    by_block: list[list[ServerRecord]], start: int, end: int, rng: random.Random
-) -> Route:
-    hops: list[RouteHop] = []
-    boundary = start
-    while boundary < end:
-        holders = by_block[boundary - start]
-        weights = [r.throughput for r in holders]
-        if not math.fsum(weights) > 0:
-            weights = [1.0] * len(holders)  # all stalled: any of them beats no route
-        record = rng.choices(holders, weights=weights)[0]
-        hop_end = min(record.end, end)
-        hops.append(RouteHop(record.peer_id, boundary, hop_end, record))
-        boundary = hop_end
-    return tuple(hops)

@@ -23,8 +23,6 @@ ALLOWLIST: dict[str, str] = {
     "peerd/sdk/model.py": "801 lines: the transformers model, its generation and prompt tuning",
     "peerd/sdk/model.py::DistributedModelForCausalLM.forward": "87 lines: every forward mode",
     "peerd/sdk/model.py::DistributedModelForCausalLM.from_pretrained": "68 lines: checks + setup",
-    "routing/planner.py::_cheapest_route": "73 lines: the shortest-path search in one loop",
-    "routing/planner.py::plan_route": "87 lines: candidates, costs and the error message",
     "wire/packing.py::_unpack": "64 lines: one branch per packed type",
     "wire/tensors.py::decode_tensor": "64 lines: header checks and every codec in one function",
 }
