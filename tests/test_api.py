@@ -245,14 +245,30 @@ def test_peerd_status_shows_coverage_and_servers(swarm: LocalSwarm) -> None:
 def test_cancel_sent_right_behind_its_generate_stops_it(swarm: LocalSwarm) -> None:
     """The daemon may read Cancel before it starts the Generate ahead of it (a Ctrl-C at once on
     a busy machine): the generation must still stop, not run to max_new_tokens."""
-    with Client(swarm.daemons[0].socket) as client:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(120)
+        sock.connect(str(swarm.daemons[0].socket))
         generate = wire.Generate(prompt="Write a very long story.", max_new_tokens=200)
-        client._sock.sendall(
+        sock.sendall(
             bytes(wire.encode_message(generate)) + bytes(wire.encode_message(wire.Cancel()))
         )
-        while not isinstance(message := client._receive(), wire.GenerateDone):
-            pass
+        decoder = wire.MessageDecoder()
+        message = _until_done(sock, decoder)
         assert message.reason == "cancelled"
         assert message.token_count < 200
         # The connection goes on, and the next generation is not cancelled by the old Cancel.
-        assert client.generate_full("Once upon a time", max_new_tokens=3).reason == "length"
+        sock.sendall(bytes(wire.encode_message(wire.Generate(prompt="Once upon a time",
+                                                             max_new_tokens=3))))  # fmt: skip
+        assert _until_done(sock, decoder).reason == "length"
+
+
+def _until_done(sock: socket.socket, decoder: wire.MessageDecoder) -> wire.GenerateDone:
+    """Read a generation's replies off a raw local API connection up to its GenerateDone."""
+    while True:
+        for message in decoder:
+            assert isinstance(message, wire.GeneratedToken | wire.GenerateDone), message
+            if isinstance(message, wire.GenerateDone):
+                return message
+        chunk = sock.recv(1 << 16)
+        assert chunk, "the daemon hung up mid-generation"
+        decoder.receive_data(chunk)
