@@ -23,6 +23,7 @@ import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -83,6 +84,19 @@ def read_adapter(path: str | Path, config: PretrainedConfig, family: Family) -> 
     the decoder blocks, blocks the model does not have)."""
     path = Path(path).expanduser()
     name = adapter_name(path)
+    _check_files(path, name)
+    settings = _read_settings(path, name)
+    r, scaling = _rank_and_scaling(settings, name)
+    with safe_open(path / WEIGHTS_FILE, framework="pt") as f:
+        shapes = {tensor: list(f.get_slice(tensor).get_shape()) for tensor in f.keys()}  # noqa: SIM118
+    if not shapes:
+        raise AdapterError(f"adapter {name}: {WEIGHTS_FILE} holds no tensors")
+    info = AdapterInfo(name, path.resolve(), r, scaling, tuple(shapes))
+    _check_matrices(info, shapes, config, family)
+    return info
+
+
+def _check_files(path: Path, name: str) -> None:
     if not (path / CONFIG_FILE).is_file():
         raise AdapterError(
             f"{path} is not a PEFT adapter: it has no {CONFIG_FILE} (save one with "
@@ -95,6 +109,10 @@ def read_adapter(path: str | Path, config: PretrainedConfig, family: Family) -> 
         )
     if not 1 <= len(name) <= MAX_ADAPTER_NAME_LEN:
         raise AdapterError(f"adapter directory name {name!r} must be 1 to 256 characters")
+
+
+def _read_settings(path: Path, name: str) -> dict[str, Any]:
+    """The adapter's config, if it is a plain LoRA peerd applies exactly."""
     try:
         settings = json.loads((path / CONFIG_FILE).read_text())
     except (OSError, ValueError) as e:
@@ -117,15 +135,22 @@ def read_adapter(path: str | Path, config: PretrainedConfig, family: Family) -> 
             f"adapter {name} trains biases (bias={settings['bias']!r}); peerd applies plain "
             "LoRA only: train it with bias='none'"
         )
+    return settings
+
+
+def _rank_and_scaling(settings: dict[str, Any], name: str) -> tuple[int, float]:
     r, alpha = settings.get("r"), settings.get("lora_alpha")
     if not isinstance(r, int) or r < 1 or not isinstance(alpha, int | float):
         raise AdapterError(f"adapter {name}: r must be an int >= 1 and lora_alpha a number")
     scaling = alpha / math.sqrt(r) if settings.get("use_rslora") else alpha / r
-    with safe_open(path / WEIGHTS_FILE, framework="pt") as f:
-        shapes = {tensor: list(f.get_slice(tensor).get_shape()) for tensor in f.keys()}  # noqa: SIM118
-    if not shapes:
-        raise AdapterError(f"adapter {name}: {WEIGHTS_FILE} holds no tensors")
-    info = AdapterInfo(name, path.resolve(), r, float(scaling), tuple(shapes))
+    return r, float(scaling)
+
+
+def _check_matrices(
+    info: AdapterInfo, shapes: dict[str, list[int]], config: PretrainedConfig, family: Family
+) -> None:
+    """AdapterError unless every tensor is the A or B half of a pair, both present, for a linear
+    layer of a block the model has, in that layer's shape."""
     # Every block's layer has the same modules and shapes: one, on the meta device (no memory),
     # tells whether each matrix fits, so a wrong adapter fails here and not after joining.
     with torch.device("meta"):
@@ -133,24 +158,23 @@ def read_adapter(path: str | Path, config: PretrainedConfig, family: Family) -> 
     num_blocks = int(config.num_hidden_layers)
     halves: dict[tuple[int, str], str] = {}
     for tensor_name, shape in shapes.items():
-        block, module, which = _parse(tensor_name, family, name)
+        block, module, which = _parse(tensor_name, family, info.name)
         halves[(block, module)] = halves.get((block, module), "") + which
         if not 0 <= block < num_blocks:
             raise AdapterError(
-                f"adapter {name} changes block {block}, but the model has blocks 0:{num_blocks}: "
-                "it was trained for another model"
+                f"adapter {info.name} changes block {block}, but the model has blocks "
+                f"0:{num_blocks}: it was trained for another model"
             )
-        base = _linear(layer, module, name, block)
-        a_shape = shape if which == "A" else [r, base.in_features]
-        b_shape = shape if which == "B" else [base.out_features, r]
+        base = _linear(layer, module, info.name, block)
+        a_shape = shape if which == "A" else [info.r, base.in_features]
+        b_shape = shape if which == "B" else [base.out_features, info.r]
         _check_pair(info, block, module, base, a_shape, b_shape)
     for (block, module), which in halves.items():
         if sorted(which) != ["A", "B"]:
             raise AdapterError(
-                f"adapter {name}: block {block} {module} has lora_{which} only; save the adapter "
-                "again with PEFT"
+                f"adapter {info.name}: block {block} {module} has lora_{which} only; save the "
+                "adapter again with PEFT"
             )
-    return info
 
 
 def _check_pair(

@@ -19,6 +19,7 @@ bytes actually left in the frame before anything is allocated.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -185,52 +186,15 @@ def _unpack(buf: memoryview, pos: int, depth: int) -> tuple[Any, int]:
         return _array(buf, pos, kind & 0x0F, depth)
     if kind < 0xC0:
         return _str(buf, pos, kind & 0x1F)
-    if kind == 0xC0:
-        return None, pos
-    if kind == 0xC2:
-        return False, pos
-    if kind == 0xC3:
-        return True, pos
-    if kind == 0xC4:
-        return _bin(buf, pos + 1, _U8.unpack_from(buf, pos)[0])
-    if kind == 0xC5:
-        return _bin(buf, pos + 2, _U16.unpack_from(buf, pos)[0])
-    if kind == 0xC6:
-        return _bin(buf, pos + 4, _U32.unpack_from(buf, pos)[0])
-    if kind == 0xCA:
-        return _F32.unpack_from(buf, pos)[0], pos + 4
-    if kind == 0xCB:
-        return _F64.unpack_from(buf, pos)[0], pos + 8
-    if kind == 0xCC:
-        return _U8.unpack_from(buf, pos)[0], pos + 1
-    if kind == 0xCD:
-        return _U16.unpack_from(buf, pos)[0], pos + 2
-    if kind == 0xCE:
-        return _U32.unpack_from(buf, pos)[0], pos + 4
-    if kind == 0xCF:
-        return _U64.unpack_from(buf, pos)[0], pos + 8
-    if kind == 0xD0:
-        return _I8.unpack_from(buf, pos)[0], pos + 1
-    if kind == 0xD1:
-        return _I16.unpack_from(buf, pos)[0], pos + 2
-    if kind == 0xD2:
-        return _I32.unpack_from(buf, pos)[0], pos + 4
-    if kind == 0xD3:
-        return _I64.unpack_from(buf, pos)[0], pos + 8
-    if kind == 0xD9:
-        return _str(buf, pos + 1, _U8.unpack_from(buf, pos)[0])
-    if kind == 0xDA:
-        return _str(buf, pos + 2, _U16.unpack_from(buf, pos)[0])
-    if kind == 0xDB:
-        return _str(buf, pos + 4, _U32.unpack_from(buf, pos)[0])
-    if kind == 0xDC:
-        return _array(buf, pos + 2, _U16.unpack_from(buf, pos)[0], depth)
-    if kind == 0xDD:
-        return _array(buf, pos + 4, _U32.unpack_from(buf, pos)[0], depth)
-    if kind == 0xDE:
-        return _map(buf, pos + 2, _U16.unpack_from(buf, pos)[0], depth)
-    if kind == 0xDF:
-        return _map(buf, pos + 4, _U32.unpack_from(buf, pos)[0], depth)
+    if kind in _CONSTANTS:
+        return _CONSTANTS[kind], pos
+    number = _NUMBERS.get(kind)
+    if number is not None:
+        return number.unpack_from(buf, pos)[0], pos + number.size
+    sized = _SIZED.get(kind)
+    if sized is not None:
+        length, read = sized
+        return read(buf, pos + length.size, length.unpack_from(buf, pos)[0], depth)
     if kind == 0xC1:
         raise MalformedFrame(f"byte 0xc1 at offset {pos - 1} is never used in msgpack")
     raise MalformedFrame(
@@ -295,3 +259,43 @@ def _map(buf: memoryview, pos: int, count: int, depth: int) -> tuple[dict[str, A
             raise MalformedFrame(f"map has the key {key!r} twice")
         result[key], pos = _unpack(buf, pos, depth + 1)
     return result, pos
+
+
+# Type bytes past the fixed-size ranges: nil and the booleans, the numbers (each a struct), and
+# the values whose length follows the type byte (str, bin, array and map, read at that length).
+_CONSTANTS: dict[int, Any] = {0xC0: None, 0xC2: False, 0xC3: True}
+_NUMBERS: dict[int, struct.Struct] = {
+    0xCA: _F32,
+    0xCB: _F64,
+    0xCC: _U8,
+    0xCD: _U16,
+    0xCE: _U32,
+    0xCF: _U64,
+    0xD0: _I8,
+    0xD1: _I16,
+    0xD2: _I32,
+    0xD3: _I64,
+}
+_Reader = Callable[[memoryview, int, int, int], tuple[Any, int]]
+
+
+def _str_of(buf: memoryview, pos: int, size: int, depth: int) -> tuple[str, int]:
+    return _str(buf, pos, size)
+
+
+def _bin_of(buf: memoryview, pos: int, size: int, depth: int) -> tuple[memoryview, int]:
+    return _bin(buf, pos, size)
+
+
+_SIZED: dict[int, tuple[struct.Struct, _Reader]] = {
+    0xC4: (_U8, _bin_of),
+    0xC5: (_U16, _bin_of),
+    0xC6: (_U32, _bin_of),
+    0xD9: (_U8, _str_of),
+    0xDA: (_U16, _str_of),
+    0xDB: (_U32, _str_of),
+    0xDC: (_U16, _array),
+    0xDD: (_U32, _array),
+    0xDE: (_U16, _map),
+    0xDF: (_U32, _map),
+}

@@ -229,6 +229,34 @@ def _uint8_view(tensor: torch.Tensor) -> torch.Tensor:
 def decode_tensor(value: object, *, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> torch.Tensor:
     """Decode an encoded tensor map; every field is checked first. Raises MalformedTensor."""
     _check_host()
+    header = _read_header(value, max_bytes)
+    if header.codec == "raw":
+        result = _decode_raw(header)
+    elif header.codec in ("float16", "bfloat16"):
+        result = _decode_half(header)
+    else:
+        result = _decode_int8_blockwise(header)
+    return result.reshape(header.shape)
+
+
+@dataclass(frozen=True)
+class _Header:
+    """An encoded tensor's fields, each checked on its own and against the others."""
+
+    dtype: torch.dtype
+    shape: list[int]
+    count: int  # values
+    codec: str
+    compressed: bool  # lz4
+    data: bytes | bytearray | memoryview
+    scales: object  # int8-blockwise's scales (checked by its decoder); None with other codecs
+
+    @property
+    def size(self) -> int:
+        return self.count * self.dtype.itemsize
+
+
+def _read_header(value: object, max_bytes: int) -> _Header:
     if not isinstance(value, dict):
         raise MalformedTensor(
             f"an encoded tensor is a map with dtype, shape, codec and data; got {_kind(value)}"
@@ -241,55 +269,64 @@ def decode_tensor(value: object, *, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -
             + ("" if "dtype" in value else " (the dtype field is missing)")
         )
     shape = _shape(value.get("shape"))
-    count = math.prod(shape)
-    size = count * dtype.itemsize
+    size = math.prod(shape) * dtype.itemsize
     if size > max_bytes:
         raise MalformedTensor(
             f"tensor of shape {shape} and dtype {dtype_name} is {size} bytes, over the "
             f"{max_bytes}-byte limit"
         )
-    codec = value.get("codec")
-    if codec not in CODECS:
-        raise MalformedTensor(f"tensor codec {codec!r} is not one of {', '.join(CODECS)}")
-    if codec in LOSSY_CODECS and not dtype.is_floating_point:
-        raise MalformedTensor(
-            f"codec {codec} applies to floating tensors only, not {dtype_name} (send it raw)"
-        )
+    codec = _codec(value, dtype)
     compressed = value.get("lz4", False)
     if not isinstance(compressed, bool):
         raise MalformedTensor(f"tensor field lz4 must be true or false, got {_kind(compressed)}")
     data = value.get("data")
     if not isinstance(data, bytes | bytearray | memoryview):
         raise MalformedTensor(f"tensor field data must be binary, got {_kind(data)}")
-    scales_data = value.get("scales")
-    if (scales_data is not None) != (codec == "int8-blockwise"):
+    scales = value.get("scales")
+    if (scales is not None) != (codec == "int8-blockwise"):
         raise MalformedTensor(
             "tensor field scales is required with codec int8-blockwise and only with it"
         )
+    return _Header(dtype, shape, math.prod(shape), codec, compressed, data, scales)
 
-    if codec == "raw":
-        payload = _payload(data, size, compressed)
-        result = _tensor_of(payload, dtype)
-        if dtype == torch.bool and count and int(result.view(torch.uint8).max()) > 1:
-            raise MalformedTensor("bool tensor data holds bytes other than 0 and 1")
-    elif codec in ("float16", "bfloat16"):
-        wire_dtype = torch.float16 if codec == "float16" else torch.bfloat16
-        payload = _payload(data, count * 2, compressed)
-        result = _converted(_tensor_of(payload, wire_dtype), dtype)
-    else:
-        assert scales_data is not None
-        if not isinstance(scales_data, bytes | bytearray | memoryview):
-            raise MalformedTensor(f"tensor field scales must be binary, got {_kind(scales_data)}")
-        blocks = -(-count // INT8_BLOCK_SIZE)
-        if len(scales_data) != blocks * 4:
-            raise MalformedTensor(
-                f"int8-blockwise tensor of {count} values has {blocks} blocks and needs "
-                f"{blocks * 4} bytes of float32 scales, got {len(scales_data)}"
-            )
-        quantized = _tensor_of(_payload(data, count, compressed), torch.int8)
-        scales = _tensor_of(_payload(scales_data, blocks * 4, False), torch.float32)
-        result = _dequantize_int8_blockwise(quantized, scales, dtype)
-    return result.reshape(shape)
+
+def _codec(value: dict[str, Any], dtype: torch.dtype) -> str:
+    codec = value.get("codec")
+    if not isinstance(codec, str) or codec not in CODECS:
+        raise MalformedTensor(f"tensor codec {codec!r} is not one of {', '.join(CODECS)}")
+    if codec in LOSSY_CODECS and not dtype.is_floating_point:
+        raise MalformedTensor(
+            f"codec {codec} applies to floating tensors only, not {value['dtype']} (send it raw)"
+        )
+    return codec
+
+
+def _decode_raw(header: _Header) -> torch.Tensor:
+    result = _tensor_of(_payload(header.data, header.size, header.compressed), header.dtype)
+    if header.dtype == torch.bool and header.count and int(result.view(torch.uint8).max()) > 1:
+        raise MalformedTensor("bool tensor data holds bytes other than 0 and 1")
+    return result
+
+
+def _decode_half(header: _Header) -> torch.Tensor:
+    wire_dtype = torch.float16 if header.codec == "float16" else torch.bfloat16
+    payload = _payload(header.data, header.count * 2, header.compressed)
+    return _converted(_tensor_of(payload, wire_dtype), header.dtype)
+
+
+def _decode_int8_blockwise(header: _Header) -> torch.Tensor:
+    scales_data, count = header.scales, header.count
+    if not isinstance(scales_data, bytes | bytearray | memoryview):
+        raise MalformedTensor(f"tensor field scales must be binary, got {_kind(scales_data)}")
+    blocks = -(-count // INT8_BLOCK_SIZE)
+    if len(scales_data) != blocks * 4:
+        raise MalformedTensor(
+            f"int8-blockwise tensor of {count} values has {blocks} blocks and needs "
+            f"{blocks * 4} bytes of float32 scales, got {len(scales_data)}"
+        )
+    quantized = _tensor_of(_payload(header.data, count, header.compressed), torch.int8)
+    scales = _tensor_of(_payload(scales_data, blocks * 4, False), torch.float32)
+    return _dequantize_int8_blockwise(quantized, scales, header.dtype)
 
 
 def _shape(shape: object) -> list[int]:
