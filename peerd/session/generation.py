@@ -1,12 +1,16 @@
 """Token generation through the swarm: prefill, decode one token at a time, sample.
 
 The client holds the embeddings and LM head (blocks.ClientSide); the decoder blocks are remote,
-behind an InferenceSession. Every torch call runs in a worker thread so the event loop keeps
-serving streams while we compute.
+behind an InferenceSession. The LM head and sampling, the one heavy torch call here, run in a
+worker thread (batched over concurrent generations by a Coalescer) so the event loop keeps
+serving streams meanwhile; the embedding look-up of a step's few tokens runs on the loop, where
+it costs less than the hand-off would. A single prompt is a batch of one: every path takes
+[batch, tokens] ids.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -141,19 +145,17 @@ class Generator:
         generator = torch.Generator()
         if params.seed is not None:
             generator.manual_seed(params.seed)
-        if session is None:
-            async with InferenceSession(
-                self.swarm,
-                max_length=input_ids.shape[1] + max_new_tokens,
-                batch_size=input_ids.shape[0],
-                adapter=adapter,
-                left_padding=left_padding,
-            ) as own:
-                async for token in self._decode(
-                    own, input_ids, max_new_tokens, params, generator, eos_token_ids
-                ):
-                    yield token
-        else:
+        async with contextlib.AsyncExitStack() as own:
+            if session is None:
+                session = await own.enter_async_context(
+                    InferenceSession(
+                        self.swarm,
+                        max_length=input_ids.shape[1] + max_new_tokens,
+                        batch_size=input_ids.shape[0],
+                        adapter=adapter,
+                        left_padding=left_padding,
+                    )
+                )
             async for token in self._decode(
                 session, input_ids, max_new_tokens, params, generator, eos_token_ids
             ):
