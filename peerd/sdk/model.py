@@ -6,13 +6,12 @@
     print(model.tokenizer.decode(model.generate(ids, max_new_tokens=32)[0]))
 
 Only the embeddings, the final norm and the LM head live in this process (blocks.ClientSide);
-hidden states go through every block via the local daemon's socket (peerd.sdk.client.Client), and
-the
-servers keep the KV caches. transformers' own GenerationMixin drives generation: the cache it
-threads through `forward` is a `RemoteSession`, which holds no keys or values, only how many
-tokens the servers hold, so `generate` feeds each token once. Greedy decoding and sampling work;
-beam search and assisted decoding would need the servers to reorder or crop their caches, which
-the local API does not offer, so they raise `UnsupportedGeneration`.
+hidden states go through every block via the local daemon's socket (peerd.sdk.client.Client),
+and the servers keep the KV caches. transformers' own GenerationMixin drives generation: the
+cache it threads through `forward` is a `RemoteSession`, which holds no keys or values, only how
+many tokens the servers hold, so `generate` feeds each token once. Greedy decoding and sampling
+work; beam search and assisted decoding would need the servers to reorder or crop their caches,
+which the local API does not offer, so they raise `UnsupportedGeneration`.
 """
 
 from __future__ import annotations
@@ -20,263 +19,52 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-import transformers
 from torch import nn
 from transformers import GenerationConfig, GenerationMixin, PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache
-from transformers.generation.configuration_utils import GenerationMode
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import blocks
-from peerd.sdk.client import DEFAULT_TIMEOUT_S, Client, PeerdError
-
-# The decoding loops whose cache only ever grows by appending tokens: the only kind a remote
-# session can follow.
-SUPPORTED_MODES = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
-_NO_REWIND = (
-    "it needs the servers to roll their KV caches back, which the local API does not offer: "
-    "use greedy decoding (do_sample=False) or sampling (do_sample=True)"
+from peerd.sdk.client import DEFAULT_TIMEOUT_S
+from peerd.sdk.model_checks import (
+    NO_BEAMS,
+    NO_REWIND,
+    NO_TRAINING_ADAPTER,
+    NO_TUNED_SESSIONS,
+    SUPPORTED_MODES,
+    ModelMismatch,
+    TuningMode,
+    UnsupportedGeneration,
+    batch_size,
+    check_same_model,
+    check_tuning,
+    generation_config_of,
+    left_padding_of,
+    prompt_length,
+    require_transformers_5,
 )
-_NO_BEAMS = (
-    "beam search needs the servers to reorder their KV caches between steps, which the local "
-    "API does not offer: use greedy decoding (do_sample=False) or sampling (do_sample=True)"
+from peerd.sdk.remote import (
+    DaemonConnection,
+    RemoteBlocks,
+    RemoteSession,
+    check_positions,
+    remote_blocks,
+    remote_cache,
 )
 
-_NO_TUNED_SESSIONS = (
-    "a prompt-tuned model runs cache-less passes only: inference sessions (and so generate) do "
-    "not carry trained prompts yet; evaluate with model(input_ids).logits"
-)
-
-_NO_TRAINING_ADAPTER = (
-    "training passes (prompt tuning, gradients of inputs_embeds) run the servers' base blocks: "
-    "they cannot apply a LoRA adapter yet; load the model without active_adapter to tune it"
-)
-
-# Errors after which the connection's byte stream can no longer be trusted.
-OUT_OF_STEP = ("connection_closed", "bad_reply")
-
-
-class ModelMismatch(ValueError):
-    """The daemon runs another model than the checkpoint this process loaded."""
-
-
-class UnsupportedGeneration(NotImplementedError):
-    """A generation mode that needs more of the servers' caches than appending tokens."""
-
-
-class DaemonConnection:
-    """The model's connection to the local daemon. A request cut off half-way (Ctrl-C, a timeout,
-    a broken reply) leaves the connection out of step, its reply still unread: it is then dropped,
-    which frees its sessions on the daemon, and opened afresh on next use."""
-
-    def __init__(self, path: str | Path | None, timeout: float, **routing: Any) -> None:
-        """`routing`: Client's show_route and routing controls, for every session it opens."""
-        self._client: Client | None = Client(path, timeout=timeout, **routing)
-        self.path = self._client.path
-        self.timeout = timeout
-        self.routing = routing
-
-    @property
-    def client(self) -> Client:
-        if self._client is None:
-            self._client = Client(self.path, timeout=self.timeout, **self.routing)
-        return self._client
-
-    @contextlib.contextmanager
-    def request(self) -> Iterator[Client]:
-        """The client, for one request and its reply."""
-        try:
-            yield self.client
-        except PeerdError as e:
-            if e.code in OUT_OF_STEP:
-                self.close()
-            raise
-        except BaseException:
-            self.close()
-            raise
-
-    def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
-
-class RemoteSession(Cache):
-    """An inference session through the swarm (via the local daemon), which transformers sees as
-    the model's KV cache. It holds no keys or values, only what the servers hold: `position`
-    tokens, and `output_ids`, the token ids of the sequence so far when known (it may end with one
-    token sampled but not yet fed, as `generate` leaves it). Use as a context manager."""
-
-    def __init__(
-        self,
-        daemon: DaemonConnection,
-        *,
-        max_length: int,
-        batch_size: int = 1,
-        adapter: str | None = None,
-        left_padding: tuple[int, ...] = (),
-    ) -> None:
-        super().__init__(layers=[])
-        self.daemon = daemon
-        self.adapter = adapter  # the LoRA adapter every server of the session applies
-        self.max_length = max_length
-        self._batch_size = batch_size
-        # Per row, padding positions at the start (prompts left-padded to one length).
-        self.left_padding = tuple(left_padding)
-        self.session_id: str | None = None
-        self.position = 0
-        self.output_ids: torch.Tensor | None = None
-
-    def __enter__(self) -> RemoteSession:
-        with self.daemon.request() as client:
-            self.session_id = client.open_session(
-                self.max_length, self._batch_size, self.adapter, self.left_padding
-            )
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        session_id, self.session_id = self.session_id, None
-        if session_id is not None:
-            # A dropped connection took its sessions with it: then there is nothing to close.
-            with contextlib.suppress(PeerdError, OSError), self.daemon.request() as client:
-                client.close_session(session_id)
-
-    def __repr__(self) -> str:
-        return (
-            f"RemoteSession(session_id={self.session_id!r}, position={self.position}, "
-            f"max_length={self.max_length}, batch_size={self.batch_size})"
-        )
-
-    def step(self, hidden: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
-        """Hidden states after the embeddings -> after the last block, extending the servers'
-        caches. `input_ids` (None when the caller fed embeddings) keeps `output_ids` current."""
-        if self.session_id is None:
-            raise RuntimeError("this inference session is closed; open a new one")
-        start, tokens = self.position, hidden.shape[1]
-        if hidden.shape[0] != self.batch_size:
-            raise ValueError(
-                f"this inference session was opened for batch size {self.batch_size}, "
-                f"got {hidden.shape[0]} sequences"
-            )
-        if start + tokens > self.max_length:
-            raise ValueError(
-                f"the session holds {start} of its max_length {self.max_length} tokens and "
-                f"cannot take {tokens} more: open a longer inference_session"
-            )
-        try:
-            with self.daemon.request() as client:
-                output = client.step(self.session_id, hidden)
-        except BaseException as e:
-            if not isinstance(e, PeerdError) or e.code in OUT_OF_STEP:
-                self.session_id = None  # cut off mid-step: what the servers hold is unknown
-            raise
-        self.position += tokens
-        known = self.output_ids
-        if input_ids is None:
-            self.output_ids = None
-        elif start == 0:
-            self.output_ids = input_ids
-        elif known is not None and known.shape[1] >= start:
-            self.output_ids = torch.cat([known[:, :start], input_ids.to(known.device)], dim=1)
-        else:
-            self.output_ids = None
-        return output
-
-    # --- what transformers asks of a cache ---------------------------------------------------
-
-    def __bool__(self) -> bool:
-        return True  # Cache's len() counts local layers: none here, yet the session is there
-
-    @property
-    def batch_size(self) -> int:
-        return self._batch_size
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.position
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return self.max_length
-
-    @property
-    def is_linear(self) -> list[bool]:
-        return [False]  # attention caches: generate slices inputs past what they hold
-
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False]
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    @property
-    def is_croppable(self) -> bool:
-        return False
-
-    def update(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        raise TypeError("a RemoteSession holds no keys or values: they stay on the servers")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise UnsupportedGeneration(_NO_REWIND)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise UnsupportedGeneration(_NO_BEAMS)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise UnsupportedGeneration(_NO_BEAMS)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise UnsupportedGeneration(_NO_BEAMS)
-
-
-TuningMode = Literal["ptune", "deep_ptune"]
-TUNING_MODES = ("ptune", "deep_ptune")
-
-
-class RemoteBlocks(torch.autograd.Function):
-    """Every decoder block as one differentiable function, computed by the swarm: forward is a
-    TrainingForward through the local daemon (which keeps each hop's input), backward the
-    matching TrainingBackward (each server recomputes its span and returns input gradients)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, hidden: torch.Tensor, prompts: torch.Tensor | None, daemon: DaemonConnection
-    ) -> torch.Tensor:
-        with daemon.request() as client:
-            output = client.training_forward(
-                hidden.detach(), None if prompts is None else prompts.detach(), keep=True
-            )
-        ctx.daemon = daemon
-        ctx.forward_id = output.forward_id
-        return output.hidden_states
-
-    @staticmethod
-    def backward(
-        ctx: Any, grad_output: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-        with ctx.daemon.request() as client:
-            grads = client.training_backward(ctx.forward_id, grad_output.contiguous())
-        return grads.grad_inputs, grads.grad_prompts, None
-
-
-def remote_blocks(
-    daemon: DaemonConnection, hidden: torch.Tensor, prompts: torch.Tensor | None
-) -> torch.Tensor:
-    """Hidden states after the embeddings -> after the last block, cache-less, on a training
-    route; differentiable in `hidden` and the deep `prompts` when autograd needs them."""
-    wants_grad = hidden.requires_grad or (prompts is not None and prompts.requires_grad)
-    if torch.is_grad_enabled() and wants_grad:
-        output: torch.Tensor = RemoteBlocks.apply(hidden, prompts, daemon)
-        return output
-    with daemon.request() as client:
-        detached = None if prompts is None else prompts.detach()
-        return client.training_forward(hidden.detach(), detached, keep=False).hidden_states
+__all__ = [
+    "AutoDistributedModelForCausalLM",
+    "DaemonConnection",
+    "DistributedModelForCausalLM",
+    "ModelMismatch",
+    "RemoteBlocks",
+    "RemoteSession",
+    "UnsupportedGeneration",
+    "left_padding_of",
+]
 
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
@@ -325,21 +113,26 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if generation_config is not None:
             self.generation_config = generation_config
         self.tuning_mode = tuning_mode
-        self.pre_seq_len = _check_tuning(tuning_mode, pre_seq_len, active_adapter)
+        self.pre_seq_len = check_tuning(tuning_mode, pre_seq_len, active_adapter)
         self.prompt_embeddings: nn.Parameter | None = None
         self.intermediate_prompt_embeddings: nn.Parameter | None = None
         if tuning_mode is not None:
-            weight = client_side.embeddings.weight
-            hidden, blocks_count = int(config.hidden_size), int(config.num_hidden_layers)
-            std = float(getattr(config, "initializer_range", 0.02))
-            self.prompt_embeddings = nn.Parameter(
-                torch.randn(pre_seq_len, hidden, dtype=weight.dtype, device=weight.device) * std
-            )
-            if tuning_mode == "deep_ptune":
-                self.intermediate_prompt_embeddings = nn.Parameter(
-                    weight.new_zeros(blocks_count, pre_seq_len, hidden)
-                )
+            self._add_prompts(tuning_mode, pre_seq_len)
         self.post_init()
+
+    def _add_prompts(self, tuning_mode: TuningMode, pre_seq_len: int) -> None:
+        """The trainable prompts: shallow ones at random (as the config initialises weights),
+        deep ones, per block, at zero (so a fresh deep_ptune model is the base model)."""
+        weight = self.client_side.embeddings.weight
+        hidden, blocks_count = int(self.config.hidden_size), int(self.config.num_hidden_layers)
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        self.prompt_embeddings = nn.Parameter(
+            torch.randn(pre_seq_len, hidden, dtype=weight.dtype, device=weight.device) * std
+        )
+        if tuning_mode == "deep_ptune":
+            self.intermediate_prompt_embeddings = nn.Parameter(
+                weight.new_zeros(blocks_count, pre_seq_len, hidden)
+            )
 
     @classmethod
     def from_pretrained(  # type: ignore[override]
@@ -374,38 +167,29 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         Raises peerd.sdk.client.DaemonNotRunning when no daemon answers, ModelMismatch when the
         daemon runs another model than `model`, and BadRouteOptions for a malformed peer id.
         """
-        if int(transformers.__version__.split(".")[0]) < 5:
-            raise ImportError(
-                f"peerd.sdk.model needs transformers 5 or later (its generate hands the KV cache "
-                f"to the model as `cache`), not {transformers.__version__}: upgrade transformers"
-            )
-        _check_tuning(tuning_mode, pre_seq_len, active_adapter)
+        require_transformers_5()
+        check_tuning(tuning_mode, pre_seq_len, active_adapter)
         checkpoint = blocks.resolve_checkpoint(model)
-        config = blocks.load_config(checkpoint)
-        daemon = DaemonConnection(
-            socket,
-            timeout=timeout,
-            allowed_servers=allowed_servers,
-            blocked_servers=blocked_servers,
-            max_retries=max_retries,
-            connect_timeout=connect_timeout,
-            request_timeout=request_timeout,
-            show_route=show_route,
-        )
+        routing = {
+            "allowed_servers": allowed_servers,
+            "blocked_servers": blocked_servers,
+            "max_retries": max_retries,
+            "connect_timeout": connect_timeout,
+            "request_timeout": request_timeout,
+            "show_route": show_route,
+        }
+        daemon = DaemonConnection(socket, timeout=timeout, **routing)
         try:
-            _check_same_model(daemon.client, checkpoint, config)
+            check_same_model(daemon.client, checkpoint, blocks.load_config(checkpoint))
             client_side = blocks.load_client_side(checkpoint, dtype=dtype, device=device)
         except BaseException:
             daemon.close()
             raise
-        generation_config = None
-        if (checkpoint / "generation_config.json").is_file():
-            generation_config = GenerationConfig.from_pretrained(checkpoint, local_files_only=True)
         return cls(
             client_side.config,
             client_side,
             daemon,
-            generation_config,
+            generation_config_of(checkpoint),
             active_adapter,
             tuning_mode=tuning_mode,
             pre_seq_len=pre_seq_len,
@@ -478,75 +262,57 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """Logits (and, on request, hidden states and loss) of the tokens given. Without a cache
         the tokens go through the swarm in a session of their own; with `cache=` a RemoteSession
         they extend it."""
-        if output_attentions:
-            raise ValueError("attention weights stay on the servers: no output_attentions")
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("give exactly one of input_ids and inputs_embeds")
-        if cache is None:
-            cache = kwargs.pop("past_key_values", None)  # its name before transformers 5
-        if cache is not None and not isinstance(cache, RemoteSession):
-            raise TypeError(
-                f"the KV cache lives on the servers: pass a RemoteSession from "
-                f"model.inference_session(), not a {type(cache).__name__}"
-            )
+        cache = remote_cache(input_ids, inputs_embeds, cache, output_attentions, kwargs)
         if self.tuning_mode is not None:
             return self._tuned_forward(
                 input_ids, inputs_embeds, cache, labels, output_hidden_states, return_dict
             )
-        if inputs_embeds is not None:
-            embed_norm = self.client_side.embed_norm
-            hidden_in = embed_norm(inputs_embeds) if embed_norm is not None else inputs_embeds
-        else:
-            assert input_ids is not None
-            hidden_in = self.client_side.embed(input_ids)
+        hidden_in = self._embed(input_ids, inputs_embeds)
         if cache is None and torch.is_grad_enabled() and hidden_in.requires_grad:
             # Gradients wanted (of inputs_embeds): a cache-less pass that autograd goes back
             # through (a session step's servers keep no autograd graph).
             if self.active_adapter is not None:
-                raise ValueError(_NO_TRAINING_ADAPTER)
+                raise ValueError(NO_TRAINING_ADAPTER)
             hidden_out = remote_blocks(self.daemon, hidden_in.to("cpu", torch.float32), None)
-            return self._outputs(
-                hidden_in,
-                hidden_out,
-                None,
-                labels,
-                logits_to_keep,
-                output_hidden_states,
-                return_dict,
-            )
-        past = cache.position if cache is not None else 0
-        padding = left_padding_of(attention_mask) if attention_mask is not None else ()
-        if cache is not None and any(padding) and padding != cache.left_padding:
-            raise ValueError(
-                f"attention_mask pads the rows by {list(padding)}, the session was opened with "
-                f"left_padding {list(cache.left_padding)}: open it with the mask's padding "
-                "(generate does, from attention_mask)"
-            )
-        if position_ids is not None:
-            # The last token of each row, counted without the row's padding.
-            held = cache.left_padding if cache is not None else padding
-            pads = torch.tensor(held) if held else torch.tensor(0)
-            expected = past + hidden_in.shape[1] - 1 - pads
-            if bool((position_ids[..., -1].cpu() != expected).any()):
-                raise ValueError(
-                    f"these tokens end at positions {position_ids[..., -1].tolist()}, but the "
-                    f"servers hold {past}: give only the tokens the session has not seen"
-                )
-        to_send = hidden_in.to("cpu", torch.float32)
-        if cache is not None:
-            hidden_out = cache.step(to_send, input_ids)
         else:
-            with RemoteSession(
-                self.daemon,
-                max_length=to_send.shape[1],
-                batch_size=to_send.shape[0],
-                adapter=self.active_adapter,
-                left_padding=padding if any(padding) else (),
-            ) as own:
-                hidden_out = own.step(to_send, input_ids)
+            padding = left_padding_of(attention_mask) if attention_mask is not None else ()
+            check_positions(cache, padding, position_ids, hidden_in.shape[1])
+            hidden_out = self._step(hidden_in, input_ids, cache, padding)
         return self._outputs(
             hidden_in, hidden_out, cache, labels, logits_to_keep, output_hidden_states, return_dict
         )
+
+    def _embed(
+        self, input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor | None
+    ) -> torch.Tensor:
+        """What the first block takes: the embeddings of input_ids, or inputs_embeds as given
+        (after the family's embedding norm, if it has one)."""
+        if inputs_embeds is None:
+            assert input_ids is not None
+            return self.client_side.embed(input_ids)
+        embed_norm = self.client_side.embed_norm
+        return embed_norm(inputs_embeds) if embed_norm is not None else inputs_embeds
+
+    def _step(
+        self,
+        hidden_in: torch.Tensor,
+        input_ids: torch.Tensor | None,
+        cache: RemoteSession | None,
+        padding: tuple[int, ...],
+    ) -> torch.Tensor:
+        """The last block's output for `hidden_in`, extending `cache`, else in a session of its
+        own (opened, stepped once, closed)."""
+        to_send = hidden_in.to("cpu", torch.float32)
+        if cache is not None:
+            return cache.step(to_send, input_ids)
+        with RemoteSession(
+            self.daemon,
+            max_length=to_send.shape[1],
+            batch_size=to_send.shape[0],
+            adapter=self.active_adapter,
+            left_padding=padding if any(padding) else (),
+        ) as own:
+            return own.step(to_send, input_ids)
 
     def _outputs(
         self,
@@ -588,7 +354,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """A forward with the trained prompts: the shallow ones before the tokens, the deep ones
         sent along for every block, the prefix positions cut from the outputs."""
         if cache is not None:
-            raise UnsupportedGeneration(_NO_TUNED_SESSIONS)
+            raise UnsupportedGeneration(NO_TUNED_SESSIONS)
         assert self.prompt_embeddings is not None
         if inputs_embeds is None:
             assert input_ids is not None
@@ -632,14 +398,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         prompt + max_new_tokens and closes it at the end.
         """
         if self.tuning_mode is not None:
-            raise UnsupportedGeneration(_NO_TUNED_SESSIONS)
+            raise UnsupportedGeneration(NO_TUNED_SESSIONS)
         if inputs is None:
             inputs = kwargs.pop("input_ids", None)
         # The settings generate itself will use (its own resolution of defaults and kwargs).
         config, _ = self._prepare_generation_config(generation_config, **kwargs)  # type: ignore[misc]
         mode = config.get_generation_mode(kwargs.get("assistant_model"))
         if mode not in SUPPORTED_MODES:
-            reason = _NO_BEAMS if "beam" in mode.value else _NO_REWIND
+            reason = NO_BEAMS if "beam" in mode.value else NO_REWIND
             raise UnsupportedGeneration(f"{mode.value} does not work through the swarm: {reason}")
         if config.use_cache is False:
             raise ValueError(
@@ -650,8 +416,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             session = self.active_session
         if session is not None:
             return self._generate_in(session, inputs, generation_config, config, kwargs)
-        prompt = _prompt_length(inputs, kwargs)
-        rows = _batch_size(inputs, kwargs) * (config.num_return_sequences or 1)
+        prompt = prompt_length(inputs, kwargs)
+        rows = batch_size(inputs, kwargs) * (config.num_return_sequences or 1)
         length = prompt + self._new_tokens(config, generation_config, kwargs, prompt)
         mask = kwargs.get("attention_mask")
         padding = left_padding_of(mask) if mask is not None else ()
@@ -692,8 +458,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 raise ValueError(
                     "the servers already hold every token of this sequence: pass the tokens to add"
                 )
-        prompt = _prompt_length(inputs, kwargs)
-        rows = _batch_size(inputs, kwargs) * (config.num_return_sequences or 1)
+        prompt = prompt_length(inputs, kwargs)
+        rows = batch_size(inputs, kwargs) * (config.num_return_sequences or 1)
         if rows != session.batch_size:
             raise ValueError(
                 f"the session was opened for batch size {session.batch_size}, this call has {rows}"
@@ -727,73 +493,6 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if kwargs.get("max_length") is not None or max_length_set:
             return max(int(config.max_length) - prompt, 0)
         return int(config.max_length)  # transformers' default: that many new tokens
-
-
-def left_padding_of(attention_mask: torch.Tensor) -> tuple[int, ...]:
-    """Per row, the padding positions at the start of a [batch, tokens] attention mask (zeros,
-    then ones, as a tokenizer with padding_side="left" makes); ValueError for any other mask."""
-    mask = attention_mask.to("cpu", torch.long)
-    if mask.ndim != 2:
-        raise ValueError(f"attention_mask must be [batch, tokens], got {list(mask.shape)}")
-    padding = (mask == 0).sum(dim=1)
-    columns = torch.arange(mask.shape[1])[None]
-    if not bool((mask == (columns >= padding[:, None]).long()).all()):
-        raise ValueError(
-            "attention_mask must hold zeros then ones per row (left padding): the servers skip "
-            "a row's first positions only; pad on the left (tokenizer.padding_side = 'left')"
-        )
-    if bool((padding == mask.shape[1]).any()):
-        raise ValueError("a row of attention_mask is all padding: give each row a token")
-    return tuple(int(p) for p in padding)
-
-
-def _prompt_length(inputs: torch.Tensor | None, kwargs: dict[str, Any]) -> int:
-    if inputs is not None:
-        return int(inputs.shape[1])
-    if kwargs.get("inputs_embeds") is not None:
-        return int(kwargs["inputs_embeds"].shape[1])
-    return 1  # generate starts from the BOS token
-
-
-def _batch_size(inputs: torch.Tensor | None, kwargs: dict[str, Any]) -> int:
-    if inputs is not None:
-        return int(inputs.shape[0])
-    if kwargs.get("inputs_embeds") is not None:
-        return int(kwargs["inputs_embeds"].shape[0])
-    return 1
-
-
-def _check_tuning(tuning_mode: str | None, pre_seq_len: int, adapter: str | None) -> int:
-    """pre_seq_len, checked against tuning_mode; ValueError says what to pass."""
-    if tuning_mode is not None and adapter is not None:
-        raise ValueError(_NO_TRAINING_ADAPTER)
-    if tuning_mode is None:
-        if pre_seq_len:
-            raise ValueError("pre_seq_len needs a tuning_mode: 'ptune' or 'deep_ptune'")
-        return 0
-    if tuning_mode not in TUNING_MODES:
-        raise ValueError(f"tuning_mode must be 'ptune' or 'deep_ptune', not {tuning_mode!r}")
-    if pre_seq_len < 1:
-        raise ValueError(f"tuning_mode {tuning_mode!r} needs pre_seq_len >= 1 prompt positions")
-    return pre_seq_len
-
-
-def _check_same_model(client: Client, checkpoint: Path, config: PretrainedConfig) -> None:
-    welcome = client.welcome
-    ours = blocks.model_name(checkpoint)
-    problems = []
-    if welcome.model != ours:
-        problems.append(f"it runs {welcome.model}, not {ours}")
-    if welcome.num_blocks != config.num_hidden_layers:
-        problems.append(f"{welcome.num_blocks} blocks, not {config.num_hidden_layers}")
-    if welcome.hidden_size != config.hidden_size:
-        problems.append(f"hidden size {welcome.hidden_size}, not {config.hidden_size}")
-    if problems:
-        raise ModelMismatch(
-            f"the daemon on {client.path} serves another model than {checkpoint} "
-            f"({'; '.join(problems)}): load its model instead, or start a daemon for this one "
-            f"with `peerd start --model {checkpoint}` (and --socket to run it beside the first)"
-        )
 
 
 # The name Petals and transformers users reach for: one class serves every model family, since
