@@ -1,10 +1,11 @@
 """The client session against real BlockServers in one process (tests/memnet.py): failover with
-replay, a cancelled step's late reply dropped, and a lying server caught by the spot checks and
-routed around. Each output is compared with the whole model run in one piece (tiny random llama,
+replay, a cancelled step's late reply dropped, a lying server caught by the spot checks and
+routed around, and a bug of ours that bans no server. Each output is compared with the whole model run in one piece (tiny random llama,
 6 blocks), within a tolerance scaled to the values' magnitude."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,11 +16,14 @@ import torch
 import trio
 
 import blocks
+import wire
 from peerd.server.block_server import TEST_CORRUPT_ENV
+from peerd.session import hops
 from peerd.session.inference import InferenceSession
 from peerd.session.swarm import SwarmView
 from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet, save_tiny_llama
 from tests.numeric import assert_close_scaled
+from wire.conversation import ClientInference
 
 HIDDEN = 32  # the tiny llama's hidden size
 
@@ -93,7 +97,11 @@ def gate() -> Iterator[dict[str, Any]]:
 
 
 async def test_a_cancelled_steps_late_reply_is_dropped_not_blamed_on_the_server(
-    tiny_llama: Path, whole: blocks.Span, monkeypatch: pytest.MonkeyPatch, gate: dict[str, Any]
+    tiny_llama: Path,
+    whole: blocks.Span,
+    monkeypatch: pytest.MonkeyPatch,
+    gate: dict[str, Any],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Ctrl-C in `peerd chat` while the last server computes: its reply comes after the cancel.
     The next step must read its own reply, and the server must not count as failed (no other
@@ -124,7 +132,9 @@ async def test_a_cancelled_steps_late_reply_is_dropped_not_blamed_on_the_server(
                     scope.cancel()
             assert scope.cancelled_caught
             gate["release"].set()  # the tail answers the cancelled step, late
-            out_after = await session.step(after)
+            with caplog.at_level(logging.DEBUG, logger="peerd.session.hops"):
+                out_after = await session.step(after)
+            assert any("late reply" in r.getMessage() for r in caplog.records)
             assert session.failures == 0
             assert net.peer_id("tail") in view.records
             assert view.bans.failures(net.peer_id("tail")) == 0
@@ -153,3 +163,25 @@ async def test_a_lying_server_is_caught_banned_and_routed_around(
             assert [m.liar for m in session.verifier.mismatches] == [liar]
             assert view.bans.is_liar(liar, time.time())
     assert_close_scaled(torch.cat(outputs, dim=1), reference)
+
+
+async def test_our_own_bug_propagates_and_bans_no_server(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug on our side while opening a hop is raised as itself: the server that answered well
+    is not reported failed, banned or dropped from the view."""
+
+    class BuggyConversation(ClientInference):
+        def received(self, message: wire.Message) -> Any:
+            raise RuntimeError("a bug of ours")
+
+    async with open_memnet() as net:
+        _serve(net, tiny_llama, {"whole": (0, 6), "spare": (0, 6)})
+        view = _view(net)
+        monkeypatch.setattr(hops, "ClientInference", BuggyConversation)
+        with pytest.raises(RuntimeError, match="a bug of ours"):
+            async with InferenceSession(view, max_length=16):
+                pass
+        for name in ("whole", "spare"):
+            assert view.bans.failures(net.peer_id(name)) == 0
+        assert set(view.records) == {net.peer_id("whole"), net.peer_id("spare")}
