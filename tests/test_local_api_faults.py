@@ -21,6 +21,8 @@ import blocks
 import wire
 from peerd.daemon.local_api import LocalApi
 from peerd.devtools.localswarm import LocalSwarm
+from peerd.session.inference import InferenceFailed
+from routing.planner import NoRouteError
 
 
 def _welcome() -> wire.Welcome:
@@ -59,9 +61,9 @@ class _Listener(trio.abc.Listener[trio.abc.Stream]):
         self.emfile = emfile
         self.send, self.incoming = trio.open_memory_channel[trio.abc.Stream](8)
 
-    async def connect(self) -> trio.abc.Stream:
+    async def connect(self, broken_reads: bool = False) -> trio.abc.Stream:
         client, server = trio.testing.memory_stream_pair()
-        await self.send.send(server)
+        await self.send.send(_BrokenReads(server) if broken_reads else server)
         return client
 
     async def accept(self) -> trio.abc.Stream:
@@ -72,6 +74,25 @@ class _Listener(trio.abc.Listener[trio.abc.Stream]):
 
     async def aclose(self) -> None:
         await self.incoming.aclose()
+
+
+class _BrokenReads(trio.abc.Stream):
+    """A connection whose reads fail with an error the daemon expects nowhere."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+
+    async def send_all(self, data: bytes | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        raise RuntimeError("a bug below the read loop")
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
 
 
 async def _ask(stream: trio.abc.Stream, *requests: wire.Message) -> list[wire.Message]:
@@ -109,6 +130,29 @@ async def test_accept_loop_rides_out_a_process_out_of_file_descriptors(tmp_path:
         nursery.cancel_scope.cancel()
 
 
+async def test_a_connection_whose_reads_fail_is_closed_with_an_internal_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    api = _api(tmp_path)
+    listener = _Listener(emfile=0)
+    with caplog.at_level(logging.ERROR, logger="peerd.daemon"):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(api.serve_listener, listener)
+            broken = await listener.connect(broken_reads=True)
+            decoder = wire.MessageDecoder()
+            with trio.fail_after(30):
+                while data := await broken.receive_some():
+                    decoder.receive_data(data)
+            replies = await _ask(await listener.connect(), wire.StatusRequest())
+            nursery.cancel_scope.cancel()
+    [error] = list(decoder)
+    assert isinstance(error, wire.Error) and error.code == wire.ErrorCode.INTERNAL
+    assert "a bug below the read loop" in error.message
+    assert [type(r) for r in replies] == [wire.StatusResponse]  # the next client is served
+    assert api.connections == 0
+    assert "RuntimeError: a bug below the read loop" in caplog.text  # with its traceback
+
+
 async def test_a_request_that_fails_inside_the_daemon_gets_an_internal_error(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -136,24 +180,36 @@ async def test_a_request_that_fails_inside_the_daemon_gets_an_internal_error(
 
 
 async def test_expected_failures_keep_their_own_codes(tmp_path: Path) -> None:
-    api = _api(tmp_path)
+    """Refusals and the swarm's expected failures are not internal errors, also when a nursery
+    wraps them in an exception group."""
+    failures: list[Exception] = [
+        NoRouteError("m", [(3, 5)], {}),
+        ExceptionGroup("a nursery's", [InferenceFailed("every route for blocks 3-5 failed")]),
+    ]
+
+    async def failing_generator() -> Any:
+        raise failures.pop(0)
+
+    api = _api(tmp_path, failing_generator)
     listener = _Listener(emfile=0)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(api.serve_listener, listener)
         stream = await listener.connect()
         replies = await _ask(
             stream,
-            wire.Generate(prompt="hi", max_new_tokens=1, session_id="nope"),
+            wire.Generate(prompt="hi", max_new_tokens=1),
+            wire.Generate(prompt="hi", max_new_tokens=1),
             wire.CloseInference(session_id="nope"),
             wire.StepResult(session_id="x", step_id=0, hidden_states=torch.zeros(1, 1, 2)),
         )
         nursery.cancel_scope.cancel()
-    codes = [r.code for r in replies if isinstance(r, wire.Error)]
-    assert codes == [
-        wire.ErrorCode.SESSION_NOT_FOUND,
+    assert [r.code for r in replies if isinstance(r, wire.Error)] == [
+        wire.ErrorCode.NO_ROUTE,
+        wire.ErrorCode.INFERENCE_FAILED,
         wire.ErrorCode.SESSION_NOT_FOUND,
         wire.ErrorCode.BAD_REQUEST,
     ]
+    assert "every route for blocks 3-5 failed" in replies[1].message  # type: ignore[attr-defined]
 
 
 # --- against a real daemon ---------------------------------------------------------------------

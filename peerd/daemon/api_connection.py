@@ -133,19 +133,30 @@ class ApiConnection:
         """Handle one request; whatever goes wrong ends this request with an Error."""
         try:
             await self._handle(message)
-        except ApiError as e:
-            await self.error(e.code, str(e))
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise
         except Exception as e:
-            code = next((c for kind, c in _REFUSALS if isinstance(e, kind)), None)
-            if code is None:
-                log.exception("local API: %s failed", type(message).__name__)
-                code = wire.ErrorCode.INTERNAL
-                text = f"the daemon failed on {type(message).__name__}: {type(e).__name__}: {e}"
-                await self.error(code, f"{text} (its log has the traceback)")
-            else:
-                await self.error(code, str(e))
+            await self._refuse(message, e)
+
+    async def _refuse(self, message: wire.Message, error: Exception) -> None:
+        """Answer a failed request: a refusal or an expected failure with its own code, anything
+        else with Error(internal) and its traceback in the log."""
+        cause = sole_cause(error)
+        if isinstance(cause, ApiError):
+            await self.error(cause.code, str(cause))
+            return
+        code = next((c for kind, c in _REFUSALS if isinstance(cause, kind)), None)
+        if code is not None:
+            await self.error(code, str(cause))
+            return
+        name = type(message).__name__
+        text = f"the daemon failed on {name}: {type(cause).__name__}: {cause}"
+        # A broken stream may be this client's own (it hung up: no reply can reach it, and
+        # that is no bug to log) or one of ours to a peer; the reply tells the two apart.
+        gone = isinstance(cause, trio.BrokenResourceError | trio.ClosedResourceError)
+        if not gone:
+            log.error("local API: %s failed", name, exc_info=error)
+        await self.error(wire.ErrorCode.INTERNAL, f"{text} (its log has the traceback)")
+        if gone:
+            log.error("local API: %s failed", name, exc_info=error)
 
     async def _handle(self, message: wire.Message) -> None:
         handler = self._handlers.get(type(message))
@@ -261,3 +272,10 @@ class ApiConnection:
         await self.send(
             wire.TrainingGradients(grad_inputs=grad_inputs, grad_prompts=grad_prompts, route=route)
         )
+
+
+def sole_cause(error: BaseException) -> BaseException:
+    """The one exception inside nested exception groups of one (a nursery's), else `error`."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error

@@ -16,6 +16,7 @@ A connection's requests are answered in peerd.daemon.api_connection.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -28,7 +29,7 @@ import trio
 
 import wire
 from peerd import __version__
-from peerd.daemon.api_connection import ApiConnection
+from peerd.daemon.api_connection import ApiConnection, sole_cause
 from peerd.daemon.api_session import ApiError
 from peerd.session.generation import Generator
 from routing.records import record_to_info
@@ -88,9 +89,12 @@ class LocalApi:
             await connection.run()
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass  # the client hung up mid-request
-        except Exception:
+        except Exception as e:
             # Requests have their own boundary (api_connection); this is a bug in reading.
             log.exception("local API: a connection failed; closing it")
+            with contextlib.suppress(Exception):  # best effort: the client may hear why
+                text = f"the daemon failed reading this connection: {sole_cause(e)!r}; closing it"
+                await connection.error(wire.ErrorCode.INTERNAL, text)
         finally:
             self.connections -= 1
             with trio.CancelScope(shield=True):
