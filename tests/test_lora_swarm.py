@@ -151,7 +151,7 @@ def test_routes_with_the_adapter_avoid_the_server_without_it(swarm: LocalSwarm) 
         # A session keeps the adapter it was opened with.
         with pytest.raises(PeerdError, match="runs with adapter 'shout', not 'calm'") as e:
             client.generate(input_ids=PROMPT, session=session, active_adapter="calm")
-        assert e.value.code == "bad_request"
+        assert e.value.code == wire.ErrorCode.BAD_REQUEST
     with Client(a.socket) as client:
         assert client.status().serving.adapters == (ADAPTER,)  # type: ignore[union-attr]
 
@@ -189,7 +189,7 @@ def test_an_unknown_adapter_is_a_clear_error_and_the_daemon_goes_on(swarm: Local
         started = time.monotonic()
         with pytest.raises(PeerdError) as e:
             client.generate(input_ids=PROMPT, max_new_tokens=2, active_adapter="whisper")
-        assert e.value.code == "adapter_not_found"
+        assert e.value.code == wire.ErrorCode.ADAPTER_NOT_FOUND
         assert "'whisper'" in str(e.value) and "shout" in str(e.value)
         assert time.monotonic() - started < 15  # refused at once, not after the route wait
         assert len(client.generate_full(input_ids=PROMPT, max_new_tokens=2).token_ids) == 2

@@ -133,7 +133,10 @@ EXAMPLES: list[Message] = [
         model="m", start=3, end=5, hidden_states=HIDDEN, grad_outputs=-HIDDEN, prompts=PROMPTS
     ),
     BackwardResult(grad_inputs=HIDDEN, grad_prompts=PROMPTS),
-    Error(code="session_not_found", message="no session s9 here: open one with OpenSession"),
+    Error(
+        code=wire.ErrorCode.SESSION_NOT_FOUND,
+        message="no session s9 here: open one with OpenSession",
+    ),
     Generate(prompt="Once upon a time", max_new_tokens=20),
     Generate(
         input_ids=(1, 2, 3),
