@@ -34,6 +34,11 @@ One step is in flight per session: sending a step gives up on any earlier one st
 A reply to a step given up on is a LateReply, to drop: the server is healthy, only slow. A reply
 to a step never sent is UnexpectedReply (the server is confused or lying).
 
+Push and `upstream`: a client that pushes names, in each hop's OpenSession, the hop before it as
+`upstream`, so no one else can push into the session. The server closes a push stream that breaks
+this without telling anyone (push streams are never answered), so the step never reaches that
+hop: after replacing a hop, push only as far as the next hop that named it, and relay the rest.
+
 Training (`ServerTraining`, `ClientTraining`): Forward -> ForwardResult, Backward ->
 BackwardResult, Error for either; one request at a time on a stream.
 """
