@@ -144,18 +144,15 @@ class RouteKeeper:
             try:
                 await self._replay(new_hops, start, history)
                 return new_hops
-            except PEER_FAULTS as e:
-                # A replacement died while rebuilding its cache: ban it and try others.
+            except BaseException as e:
+                with trio.CancelScope(shield=True):
+                    for hop in new_hops:
+                        await hop.close()
+                if not isinstance(e, PEER_FAULTS):
+                    raise
+                # A replacement died while rebuilding its cache (_replay banned it): try others.
                 self.failures += 1
-                with trio.CancelScope(shield=True):
-                    for hop in new_hops:
-                        await hop.close()
                 self._check_retries(e)
-            except BaseException:
-                with trio.CancelScope(shield=True):
-                    for hop in new_hops:
-                        await hop.close()
-                raise
 
     def _check_retries(self, error: Exception) -> None:
         """Give up once more servers failed than max_retries allows replacing."""
