@@ -1,7 +1,8 @@
 """The client session against real BlockServers in one process (tests/memnet.py): failover with
 replay, a cancelled step's late reply dropped, a lying server caught by the spot checks and
-routed around, and a bug of ours that bans no server. Each output is compared with the whole model run in one piece (tiny random llama,
-6 blocks), within a tolerance scaled to the values' magnitude."""
+routed around, and a bug of ours that bans no server. Each output is compared with the whole
+model run in one piece (tiny random llama, 6 blocks), within a tolerance scaled to the values'
+magnitude."""
 
 from __future__ import annotations
 
