@@ -15,9 +15,12 @@ from typing import Any
 import pytest
 import torch
 import trio
+from libp2p.peer.id import ID
 
 import blocks
 import wire
+from peerd.node.p2p import PUSH_PROTOCOL
+from peerd.node.streams import MessageStream
 from peerd.server.block_server import TEST_CORRUPT_ENV
 from peerd.session import hops
 from peerd.session.inference import InferenceSession
@@ -186,3 +189,44 @@ async def test_our_own_bug_propagates_and_bans_no_server(
         for name in ("whole", "spare"):
             assert view.bans.failures(net.peer_id(name)) == 0
         assert set(view.records) == {net.peer_id("whole"), net.peer_id("spare")}
+
+
+async def test_hops_name_their_upstream_and_pushes_stop_before_a_replaced_hop(
+    tiny_llama: Path, whole: blocks.Span
+) -> None:
+    """Each hop takes pushes only from the hop before it, so a stranger who learnt a session id
+    cannot push into it; after the middle server dies, the last hop still names the dead one, so
+    the step is pushed as far as the replacement and relayed to the last hop (not pushed into a
+    session that would drop it and time out)."""
+    steps = _steps(3, (5, 1, 1, 1, 1))
+    reference = _reference(whole, steps)
+    names = ["head", "mid-1", "mid-2", "tail"]
+    spans = {"head": (0, 2), "mid-1": (2, 4), "mid-2": (2, 4), "tail": (4, 6)}
+    async with open_memnet() as net:
+        _serve(net, tiny_llama, spans)
+        view = _view(net)
+        async with InferenceSession(view, max_length=16) as session:
+            first, middle, last = session.hops
+            assert first.upstream is None
+            assert middle.upstream == first.peer_id and last.upstream == middle.peer_id
+            outputs = [await session.step(steps[0])]
+            raw = await net.node("stranger").open_stream(
+                ID.from_base58(last.peer_id), PUSH_PROTOCOL
+            )
+            spoof = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
+            garbage = torch.randn(1, 1, HIDDEN)
+            spoofed = wire.Step(session_id=last.session_id, step_id=1 << 40, hidden_states=garbage)
+            await spoof.send(spoofed)
+            outputs.append(await session.step(steps[1]))
+            victim = _name_of(net, middle.peer_id, names)
+            net.kill(victim)
+            for hidden in steps[2:]:
+                with trio.fail_after(10):  # a push dropped by the last hop would wait 30 s
+                    outputs.append(await session.step(hidden))
+            assert session.failures == 1
+            replacement = session.hops[1]
+            assert replacement.peer_id != net.peer_id(victim)
+            assert replacement.upstream == first.peer_id
+            assert session.hops[2] is last and last.upstream == net.peer_id(victim)
+            assert view.bans.failures(last.peer_id) == 0
+    assert_close_scaled(torch.cat(outputs, dim=1), reference)

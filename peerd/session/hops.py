@@ -90,6 +90,11 @@ class HopSession:
     timeout: float = STEP_TIMEOUT_S
 
     @property
+    def upstream(self) -> str | None:
+        """The one peer this hop takes pushed steps from (named when it was opened)."""
+        return self.conversation.request.upstream
+
+    @property
     def peer_id(self) -> str:
         return self.hop.peer_id
 
@@ -213,10 +218,15 @@ class HopOptions:
 
 
 async def open_hop(
-    swarm: SwarmView, hop: RouteHop, options: HopOptions, step_ids: Iterator[int]
+    swarm: SwarmView,
+    hop: RouteHop,
+    options: HopOptions,
+    step_ids: Iterator[int],
+    upstream: str | None = None,
 ) -> Hop:
-    """Open a session on the hop's server, its steps numbered from `step_ids`: HopRefused when
-    the server is alive but says no, PeerGone or ProtocolError when it fails."""
+    """Open a session on the hop's server, its steps numbered from `step_ids`, taking pushed
+    steps from `upstream` alone (the hop before it; None: no server may push into it):
+    HopRefused when the server is alive but says no, PeerGone or ProtocolError when it fails."""
     request = wire.OpenSession(
         session_id=uuid.uuid4().hex,
         model=options.model,
@@ -228,6 +238,7 @@ async def open_hop(
         active_adapter=options.adapter,
         wait_timeout=ADMISSION_WAIT_S,
         left_padding=options.left_padding,
+        upstream=upstream,
     )
     local = swarm.local_server
     if local is not None and hop.peer_id == local.peer_id:

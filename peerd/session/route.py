@@ -73,9 +73,10 @@ class RouteKeeper:
                 await hop.close()
         self.hops = []
 
-    async def open_hop(self, hop: RouteHop) -> Hop:
-        """A session on one server with this route's options (the verifier opens its own)."""
-        return await open_hop(self.swarm, hop, self.options, self.step_ids)
+    async def open_hop(self, hop: RouteHop, upstream: str | None = None) -> Hop:
+        """A session on one server with this route's options, taking pushes from `upstream`
+        alone (the verifier opens its own, which nobody pushes into)."""
+        return await open_hop(self.swarm, hop, self.options, self.step_ids, upstream)
 
     # --- the input history ------------------------------------------------------------------
 
@@ -121,7 +122,8 @@ class RouteKeeper:
                 await failed.close()
         start, end = failed.hop.start, failed.hop.end
         history = self.inputs.get(start)
-        new_hops = await self._open_and_replay(start, end, history)
+        upstream = self.hops[index - 1].peer_id if index > 0 else None
+        new_hops = await self._open_and_replay(start, end, history, upstream)
         self.hops[index : index + 1] = new_hops
         self._reported = None
         log.info(
@@ -135,12 +137,13 @@ class RouteKeeper:
         )
 
     async def _open_and_replay(
-        self, start: int, end: int, history: torch.Tensor | None
+        self, start: int, end: int, history: torch.Tensor | None, upstream: str | None
     ) -> list[Hop]:
         """Fresh hops over [start, end) with `history` replayed into them, trying other servers
-        while replacements die during the replay."""
+        while replacements die during the replay. The hop after them still names the failed one
+        as its upstream, so pushes stop there (StepRunner relays past it)."""
         while True:
-            new_hops = await self.open_hops(start, end)
+            new_hops = await self.open_hops(start, end, upstream)
             try:
                 await self._replay(new_hops, start, history)
                 return new_hops
@@ -180,9 +183,10 @@ class RouteKeeper:
 
     # --- opening hops -------------------------------------------------------------------------
 
-    async def open_hops(self, start: int, end: int) -> list[Hop]:
+    async def open_hops(self, start: int, end: int, upstream: str | None = None) -> list[Hop]:
         """Plan [start, end) and open a session on each hop, re-planning around servers that
-        refuse or fail to open, until a route opens or no server is left.
+        refuse or fail to open, until a route opens or no server is left. Each hop takes pushes
+        only from the hop before it (the first: from `upstream`).
 
         A server that fails (unreachable, broken stream) is banned for everyone; one that is
         alive but refuses (full cache, too many sessions from us) is only skipped by this
@@ -196,7 +200,8 @@ class RouteKeeper:
             opened: list[Hop] = []
             try:
                 for hop in route:
-                    opened.append(await self.open_hop(hop))
+                    previous = opened[-1].peer_id if opened else upstream
+                    opened.append(await self.open_hop(hop, previous))
                 return opened
             except PEER_FAULTS as e:
                 bad = route[len(opened)].peer_id

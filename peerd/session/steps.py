@@ -71,8 +71,16 @@ class StepRunner:
     async def _push_step(self, hidden: torch.Tensor) -> tuple[int, torch.Tensor]:
         """Send the step to the first hop naming the rest: each server pushes its output to
         the next and also answers us, so a step costs one pass through the chain and we still
-        hold every hop's input for failover. Returns (first hop not done, its input)."""
+        hold every hop's input for failover. Returns (first hop not done, its input).
+
+        The chain ends before a hop that takes pushes from another peer than the hop before it
+        (it named a server since replaced): that hop would drop the push, so we relay to it."""
         hops = [hop for hop in self.route.hops if isinstance(hop, HopSession)]
+        reach = next(
+            (k for k in range(1, len(hops)) if hops[k].upstream != hops[k - 1].peer_id),
+            len(hops),
+        )
+        hops = hops[:reach]
         step_id = next(self.route.step_ids)
         chain = tuple(hop.as_next_hop() for hop in hops[1:])
         for hop in hops[1:]:
