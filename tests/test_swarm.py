@@ -181,10 +181,14 @@ async def test_server_killed_mid_generation_is_replaced(reference) -> None:  # t
         swarm.stop()
 
 
+# A --memory-budget that fits 10 blocks of SmolLM2 with --cache-tokens 1024, not 11: a block is
+# 13.5 MiB of fp32 weights (blocks.block_bytes) and 1.5 MiB of KV cache, so 155 MiB is 10.3 blocks.
+TEN_BLOCKS_BUDGET = 155 * 2**20
+
+
 async def test_blocks_auto_daemons_cover_the_model() -> None:
     swarm = LocalSwarm()
-    # A budget that fits 10 blocks of SmolLM2 (about 14 MiB of weights each) with a small cache.
-    budget = ["--memory-budget", str(10 * 15 * 2**20), "--cache-tokens", "1024"]
+    budget = ["--memory-budget", str(TEN_BLOCKS_BUDGET), "--cache-tokens", "1024"]
     try:
         spans = []
         for name in ("x", "y", "z"):
@@ -234,7 +238,7 @@ async def test_auto_servers_move_to_fill_a_gap() -> None:
     """Four --blocks auto servers of 10 blocks each; the one holding 10:20 dies; one of the
     two holding the same other span moves there, and the model is whole again."""
     swarm = LocalSwarm()
-    auto = ["--memory-budget", str(10 * 15 * 2**20), "--cache-tokens", "1024",
+    auto = ["--memory-budget", str(TEN_BLOCKS_BUDGET), "--cache-tokens", "1024",
             "--rebalance-period", "2"]  # fmt: skip
     try:
         daemons = [swarm.start(name, "auto", *auto) for name in ("w", "x", "y", "z")]
