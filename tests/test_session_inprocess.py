@@ -230,3 +230,43 @@ async def test_hops_name_their_upstream_and_pushes_stop_before_a_replaced_hop(
             assert session.hops[2] is last and last.upstream == net.peer_id(victim)
             assert view.bans.failures(last.peer_id) == 0
     assert_close_scaled(torch.cat(outputs, dim=1), reference)
+
+
+async def test_training_passes_follow_the_conversation_and_route_around_a_wrong_reply(
+    tiny_llama: Path, whole: blocks.Span, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that answers a training Forward with a BackwardResult breaks the training
+    conversation: it counts as failed and is routed around (its reply is never taken as the
+    pass's output), and the pass gives what the whole model gives."""
+    from peerd.server import training as server_training
+    from peerd.session.training import Trainer
+
+    honest_run = server_training.run_training
+
+    async def confused_run(server: Any, request: Any) -> Any:
+        reply = await honest_run(server, request)
+        if server.peer_id == net.peer_id("confused"):
+            return wire.BackwardResult(grad_inputs=reply.hidden_states)
+        return reply
+
+    hidden = _steps(4, (5,))[0]
+    reference = _reference(whole, [hidden])
+    async with open_memnet() as net:
+        _serve(net, tiny_llama, {"head": (0, 3), "confused": (3, 6), "spare": (3, 6)})
+        monkeypatch.setattr(server_training, "run_training", confused_run)
+        view = _view(net, ["head", "confused"])  # the first plan can only use the confused one
+        trainer = Trainer(view)
+        first_plan = trainer._plan
+
+        async def plan_then_show_the_spare(start: int, end: int) -> Any:
+            hops = await first_plan(start, end)
+            view.records = net.records()  # the spare appears for the replacement's plan
+            return hops
+
+        monkeypatch.setattr(trainer, "_plan", plan_then_show_the_spare)
+        output, _, route = await trainer.forward(hidden, None, keep=False)
+        assert trainer.failures == 1
+        assert view.bans.failures(net.peer_id("confused")) == 1
+        head, spare = net.peer_id("head"), net.peer_id("spare")
+        assert route == (f"{head}[0:3)", f"{spare}[3:6)")
+    assert_close_scaled(output, reference)

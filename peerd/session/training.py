@@ -30,6 +30,7 @@ from peerd.session.hops import OPEN_TIMEOUT_S, PEER_FAULTS, dial
 from peerd.session.route import MAX_HOP_FAILURES, ROUTE_WAIT_S, InferenceFailed
 from peerd.session.swarm import SwarmView
 from routing.planner import NoRouteError, RouteHop, format_route, route_hops
+from wire.conversation import ClientTraining, Refused
 
 log = logging.getLogger(__name__)
 
@@ -255,18 +256,22 @@ class Trainer:
             stream = await dial(self.swarm, hop, TRAINING_PROTOCOL, OPEN_TIMEOUT_S)
         except PeerGone as e:
             raise HopFailed(hop.peer_id, str(e)) from e
+        conversation = ClientTraining()
+        conversation.sent(request)
         try:
             await stream.send(request, self.codec)
-            reply = await stream.receive(PASS_TIMEOUT_S)
+            # A reply of the wrong kind is the conversation's UnexpectedReply: a peer fault.
+            event = conversation.received(await stream.receive(PASS_TIMEOUT_S))
         except PEER_FAULTS as e:
             raise HopFailed(hop.peer_id, f"{hop.peer_id} failed: {e}") from e
         finally:
             await stream.close()
-        if isinstance(reply, wire.Error):
-            raise HopFailed(hop.peer_id, f"{hop.peer_id} refused: {reply.message}", refused=True)
-        if not isinstance(reply, reply_type):
-            raise HopFailed(hop.peer_id, f"{hop.peer_id} answered with {type(reply).__name__}")
-        return reply
+        if isinstance(event, Refused):
+            raise HopFailed(
+                hop.peer_id, f"{hop.peer_id} refused: {event.error.message}", refused=True
+            )
+        assert isinstance(event.result, reply_type)  # the conversation checked its kind
+        return event.result
 
     # --- routes -------------------------------------------------------------------------------
 
