@@ -50,22 +50,24 @@ class GatewayError(Exception):
         return str(self)
 
 
-# Daemon error codes (wire.ErrorCode and the local API's own) -> HTTP status.
-_DAEMON_STATUS = {
-    "bad_request": 400,
-    "out_of_cache": 400,
-    "unsupported": 404,
-    "adapter_not_found": 404,
-    "no_route": 503,
-    "inference_failed": 503,
-    "busy": 503,
-    "no_daemon": 503,
-    "connection_closed": 503,
+# Daemon error codes -> HTTP status.
+_DAEMON_STATUS: dict[str, int] = {
+    wire.ErrorCode.BAD_REQUEST: 400,
+    wire.ErrorCode.OUT_OF_CACHE: 400,
+    wire.ErrorCode.UNSUPPORTED: 404,
+    wire.ErrorCode.ADAPTER_NOT_FOUND: 404,
+    wire.ErrorCode.NO_ROUTE: 503,
+    wire.ErrorCode.INFERENCE_FAILED: 503,
+    wire.ErrorCode.BUSY: 503,
+    wire.ErrorCode.NO_DAEMON: 503,
+    wire.ErrorCode.CONNECTION_CLOSED: 503,
 }
 
 
 def daemon_error(error: PeerdError) -> GatewayError:
-    code = "context_length_exceeded" if error.code == "out_of_cache" else error.code
+    # OpenAI's clients know a prompt too long for the context by this code.
+    out_of_cache = error.code == wire.ErrorCode.OUT_OF_CACHE
+    code = "context_length_exceeded" if out_of_cache else error.code
     return GatewayError(_DAEMON_STATUS.get(error.code, 500), code, str(error))
 
 

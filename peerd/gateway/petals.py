@@ -48,13 +48,13 @@ from wire.local_api import (
     MAX_STOP_SEQUENCES,
     MAX_TOKEN_ID,
 )
-from wire.peer_protocol import MAX_MODEL_LEN, MAX_SESSION_TOKENS
+from wire.peer_protocol import MAX_MODEL_LEN, MAX_SESSION_TOKENS, ErrorCode
 
 IDLE_TIMEOUT_S = 300.0
 """A v2 socket that sends nothing for this long is closed and its session freed (chat.petals.dev's
 STEP_TIMEOUT)."""
 
-DAEMON_GONE = frozenset({"connection_closed", "no_daemon"})
+DAEMON_GONE = frozenset({ErrorCode.CONNECTION_CLOSED, ErrorCode.NO_DAEMON})
 
 MAX_QUEUED_REQUESTS = 8
 """v2 requests a client may send ahead of the answers."""
