@@ -1,27 +1,5 @@
-"""`peerd.client`, the name programs import; the client library lives in peerd.sdk.client."""
+"""`peerd.client`, the name programs import; the client library lives in peerd.sdk.client, and
+this module exports exactly its `__all__`."""
 
-from peerd.sdk.client import (
-    DEFAULT_TIMEOUT_S,
-    AsyncClient,
-    BadRouteOptions,
-    Client,
-    DaemonNotRunning,
-    GenerateOptions,
-    Generation,
-    PeerdError,
-    route_options,
-    socket_path,
-)
-
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "AsyncClient",
-    "BadRouteOptions",
-    "Client",
-    "DaemonNotRunning",
-    "GenerateOptions",
-    "Generation",
-    "PeerdError",
-    "route_options",
-    "socket_path",
-]
+from peerd.sdk.client import *  # noqa: F403
+from peerd.sdk.client import __all__ as __all__
