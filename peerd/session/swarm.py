@@ -31,11 +31,6 @@ from routing.rtt import RttTracker
 log = logging.getLogger(__name__)
 
 INFO_TIMEOUT_S = 3.0
-# Opening a connection to a server for its record may be a relayed dial (TCP, Noise and yamux to
-# the relay, then again through the circuit): on a loaded machine that can pass INFO_TIMEOUT_S, and
-# a dial cut short starts over from nothing at the next look-up, so a server behind NAT could stay
-# out of reach for good (seen once in CI after a relay died). The dial gets a budget of its own.
-CONNECT_TIMEOUT_S = 10.0
 # A server we lost because it could not be reached (not because it left) is remembered this long,
 # so a route that finds no server can say which one is out of reach and why.
 LOST_SERVER_MEMORY_S = 600.0
@@ -162,12 +157,11 @@ class SwarmView:
         started = time.perf_counter()
         reached = False
         try:
-            if peer.addrs:
-                self.node.host.get_peerstore().add_addrs(peer.peer_id, peer.addrs, 3600)
-            with trio.fail_after(CONNECT_TIMEOUT_S):
-                raw = await self.node.open_stream(peer.peer_id, INFO_PROTOCOL)
-            reached = True
             with trio.fail_after(INFO_TIMEOUT_S):
+                if peer.addrs:
+                    self.node.host.get_peerstore().add_addrs(peer.peer_id, peer.addrs, 3600)
+                raw = await self.node.open_stream(peer.peer_id, INFO_PROTOCOL)
+                reached = True
                 stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
                 try:
                     await stream.send(wire.InfoRequest())
@@ -179,7 +173,7 @@ class SwarmView:
             if not reached and peer_id in self.last_seen:
                 tried = ", ".join(map(str, self.node.host.get_peerstore().addrs(peer.peer_id)))
                 self.unreachable[peer_id] = (
-                    str(e) or f"no connection within {CONNECT_TIMEOUT_S:g} s to {tried}"
+                    str(e) or f"no connection within {INFO_TIMEOUT_S:g} s to {tried}"
                 )
             return None
         self.unreachable.pop(peer_id, None)
