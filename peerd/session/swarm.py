@@ -85,6 +85,9 @@ class SwarmView:
         # connection to at the last try were out of reach (explain_unreachable).
         self.last_seen: dict[str, ServerRecord] = {}
         self.unreachable: dict[str, str] = {}
+        # Servers whose last `info` call failed (no connection, or no answer in time). On a
+        # loaded machine one look-up can miss a live server: its record stays until it expires.
+        self.missed: set[str] = set()
         # This daemon's own block server, reached directly when a route uses it.
         self.local_server: LocalServer | None = None
         self.rtts = RttTracker()
@@ -170,6 +173,7 @@ class SwarmView:
                     await stream.close()
         except (*PEER_FAULTS, *DIAL_FAULTS) as e:  # anything else is our bug: raised
             log.debug("info from %s failed: %s", peer_id, e)
+            self.missed.add(peer_id)
             if not reached and peer_id in self.last_seen:
                 tried = ", ".join(map(str, self.node.host.get_peerstore().addrs(peer.peer_id)))
                 self.unreachable[peer_id] = (
@@ -177,6 +181,7 @@ class SwarmView:
                 )
             return None
         self.unreachable.pop(peer_id, None)
+        self.missed.discard(peer_id)
         if not isinstance(reply, wire.InfoResponse):
             return None
         try:
@@ -197,13 +202,19 @@ class SwarmView:
 
     async def refresh(self) -> None:
         """Rebuild the view: every candidate the DHT names is asked for its live record. Blocks
-        that the servers found through the model key leave uncovered are looked up one by one."""
+        that the servers found through the model key leave uncovered are looked up one by one.
+        A known server that failed only this look-up keeps its record until the record expires
+        (two refresh periods): a request that fails on it drops it at once (report_failure)."""
         async with self._refresh_lock:
             fresh: dict[str, ServerRecord] = {}
             await self._confirm(await self.find_candidates(), fresh)
             snapshot = SwarmSnapshot.from_records(self.model, self.num_blocks, fresh.values())
             if missing := snapshot.uncovered_blocks(states=SELECTION_STATES):
                 await self._confirm(await self.find_candidates(missing), fresh)
+            now = time.time()
+            for peer_id, record in self.records.items():
+                if peer_id not in fresh and peer_id in self.missed and not record.is_expired(now):
+                    fresh[peer_id] = record
             gone = set(self.records) - set(fresh)
             if gone:
                 log.info("servers left the swarm view: %s", ", ".join(sorted(gone)))
