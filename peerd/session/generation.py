@@ -68,6 +68,18 @@ def sample(
     return torch.multinomial(probs, 1, generator=generator)
 
 
+def sampling_generator(seed: int | None) -> torch.Generator:
+    """The random source of one generation: `seed` makes it reproducible; without one it starts
+    from fresh OS entropy (a bare torch.Generator() always starts from the same default seed, so
+    every unseeded generation would sample the same text)."""
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, tuple[int, ...]]:
     """Token ids of prompts of different lengths as one [batch, longest] tensor, padded on the
     left with `pad_id`, and how many padding positions each row got."""
@@ -142,9 +154,7 @@ class Generator:
         the start of `input_ids`).
         """
         params = params or SamplingParams()
-        generator = torch.Generator()
-        if params.seed is not None:
-            generator.manual_seed(params.seed)
+        generator = sampling_generator(params.seed)
         async with contextlib.AsyncExitStack() as own:
             if session is None:
                 session = await own.enter_async_context(
