@@ -294,13 +294,32 @@ def gateway(
     swarm_refresh: float = typer.Option(
         5.0, min=0.1, help="Seconds between refreshes of the swarm monitor page (/swarm)."
     ),
+    allowed_hosts: list[str] = typer.Option(
+        [], "--allowed-hosts", help="A Host name it answers besides loopback (repeat; * any)."
+    ),
+    allowed_origins: list[str] = typer.Option(
+        [], "--allowed-origins", help="Another site whose pages may use it (repeat; * any)."
+    ),
+    api_key: str | None = typer.Option(
+        None,
+        envvar="PEERD_GATEWAY_API_KEY",
+        help="Key clients must send (Bearer); required off loopback. Prefer the env variable.",
+    ),
 ) -> None:
     """chat.petals.dev-compatible and OpenAI-compatible APIs, a web chat page and a swarm monitor
     (/swarm), in front of the local daemon (docs/gateway.md)."""
     from peerd.gateway import serve
+    from peerd.gateway.guard import Exposure
 
+    try:
+        exposure = Exposure.for_bind(
+            host, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins, api_key=api_key
+        )
+    except ValueError as e:
+        typer.echo(f"peerd gateway: {e}", err=True)
+        raise typer.Exit(2) from None
     typer.echo(f"peerd gateway: web chat and APIs on http://{host}:{port}/, swarm at /swarm")
-    serve(host, port, socket, model, log_level, swarm_refresh)
+    serve(host, port, socket, model, log_level, swarm_refresh, exposure)
 
 
 @bench_app.command("wire")

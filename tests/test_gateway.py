@@ -302,9 +302,10 @@ def test_official_openai_client(gateway: Gateway) -> None:
 
 def test_http_errors_are_json_and_4xx(gateway: Gateway) -> None:
     chat = f"{gateway.url}/v1/chat/completions"
-    huge = httpx.post(chat, content=b"{" + b" " * (MAX_BODY_BYTES + 1) + b"}")
+    as_json = {"content-type": "application/json"}
+    huge = httpx.post(chat, content=b"{" + b" " * (MAX_BODY_BYTES + 1) + b"}", headers=as_json)
     assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
-    garbled = httpx.post(chat, content=b"{nope", headers={"content-type": "application/json"})
+    garbled = httpx.post(chat, content=b"{nope", headers=as_json)
     assert garbled.status_code == 400 and garbled.json()["error"]["code"] == "invalid_json"
     no_messages = httpx.post(chat, json={"model": "default"})
     assert no_messages.status_code == 400

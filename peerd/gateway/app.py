@@ -11,6 +11,8 @@ from pathlib import Path
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -18,6 +20,7 @@ from starlette.staticfiles import StaticFiles
 
 from peerd.gateway import monitor, openai_api, petals
 from peerd.gateway.bodies import MAX_BODY_BYTES, ClientGone
+from peerd.gateway.guard import Exposure, Guard
 from peerd.gateway.link import DaemonLink, GatewayError
 
 log = logging.getLogger(__name__)
@@ -28,10 +31,15 @@ CLIENT_CLOSED_REQUEST = 499
 """nginx's status for a request whose client went away first (nobody reads it)."""
 
 
-def _render(request: Request, error: GatewayError) -> Response:
-    if request.url.path.startswith("/v1/"):
+def render_error(path: str, error: GatewayError) -> Response:
+    """`error` in the shape of the API that `path` belongs to."""
+    if path.startswith("/v1/"):
         return openai_api.error_response(error)
     return petals.error_response(error)
+
+
+def _render(request: Request, error: GatewayError) -> Response:
+    return render_error(request.url.path, error)
 
 
 async def _gateway_error(request: Request, exc: Exception) -> Response:
@@ -71,11 +79,24 @@ def create_app(
     *,
     checkpoint: str | Path | None = None,
     swarm_refresh_s: float = monitor.DEFAULT_REFRESH_S,
+    exposure: Exposure | None = None,
 ) -> Starlette:
     """The gateway in front of the daemon on `socket_path` (default: $PEERD_SOCKET, then the
     per-user socket). `checkpoint`: the daemon's model directory when it is not the default,
-    for its tokenizer and chat template. `swarm_refresh_s`: how often the /swarm page polls."""
+    for its tokenizer and chat template. `swarm_refresh_s`: how often the /swarm page polls.
+    `exposure`: who may use it (default: loopback only, no API key; guard.py)."""
     link = DaemonLink(socket_path, checkpoint)
+    exposure = exposure or Exposure()
+    middleware = [Middleware(Guard, exposure=exposure, render=render_error)]
+    if exposure.allowed_origins:  # their pages' fetch() needs CORS answers to read anything
+        middleware.append(
+            Middleware(
+                CORSMiddleware,
+                allow_origins=sorted(exposure.allowed_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+            )
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -106,6 +127,7 @@ def create_app(
             ClientGone: _client_gone,
             Exception: _bug,
         },
+        middleware=middleware,
         lifespan=lifespan,
     )
     app.state.link = link
@@ -134,6 +156,7 @@ def serve(
     checkpoint: str | Path | None = None,
     log_level: str = "info",
     swarm_refresh_s: float = monitor.DEFAULT_REFRESH_S,
+    exposure: Exposure | None = None,
 ) -> None:
     logging.basicConfig(
         level=getattr(logging, log_level.upper(), logging.INFO),
@@ -141,7 +164,12 @@ def serve(
     )
     uvicorn.Server(
         uvicorn_config(
-            create_app(socket_path, checkpoint=checkpoint, swarm_refresh_s=swarm_refresh_s),
+            create_app(
+                socket_path,
+                checkpoint=checkpoint,
+                swarm_refresh_s=swarm_refresh_s,
+                exposure=exposure,
+            ),
             host,
             port,
             log_level,

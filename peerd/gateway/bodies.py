@@ -65,7 +65,24 @@ def parse_json_object(data: bytes | str, what: str = "the request body") -> dict
     return value
 
 
+FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def content_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def unsupported_type(kind: str, accepted: str) -> GatewayError:
+    """415 for a body that does not say what it is. A JSON body as text/plain, or with no type,
+    is what a web page of another site can send without asking the browser first (a "simple"
+    request), so the gateway takes JSON only as application/json."""
+    given = f"Content-Type {kind}" if kind else "no Content-Type"
+    return GatewayError(415, "unsupported_media_type", f"the body has {given}: send {accepted}")
+
+
 async def read_json(request: Request) -> dict[str, Any]:
+    if content_type(request) != "application/json":
+        raise unsupported_type(content_type(request), "JSON with Content-Type: application/json")
     body = await read_body(request)
     if not body.strip():
         raise GatewayError(400, "invalid_json", "the request has no body: send a JSON object")
@@ -77,8 +94,10 @@ async def read_fields(request: Request) -> dict[str, Any]:
     Flask's request.values gave chat.petals.dev, and JSON besides)."""
     fields: dict[str, Any] = dict(request.query_params)
     body = await read_body(request)
-    kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if kind == "application/json" or (not kind and body.lstrip()[:1] == b"{"):
+    kind = content_type(request)
+    if body and kind != "application/json" and kind not in FORM_TYPES:
+        raise unsupported_type(kind, "Content-Type: application/json or a form")
+    if kind == "application/json":
         fields.update(parse_json_object(body))
     elif kind == "multipart/form-data":
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 from contextlib import aclosing
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import anyio
 import anyio.lowlevel
@@ -30,6 +29,7 @@ from peerd.gateway.bodies import (
     until_disconnected,
     validate,
 )
+from peerd.gateway.guard import PAGE_PROTOCOL
 from peerd.gateway.link import (
     DaemonLink,
     Done,
@@ -182,20 +182,11 @@ class V2Generate(_Sampling):
         return tuple(stops)
 
 
-def _same_origin(websocket: WebSocket) -> bool:
-    """Browsers let any web page open a WebSocket to localhost; only this gateway's own page (or a
-    program, which sends no Origin) may use its sessions."""
-    origin = websocket.headers.get("origin")
-    if origin is None:
-        return True
-    return urlsplit(origin).netloc == websocket.headers.get("host")
-
-
 async def v2_generate(websocket: WebSocket) -> None:
-    if not _same_origin(websocket):
-        await websocket.close(code=1008, reason="cross-origin use of this gateway is not allowed")
-        return
-    await websocket.accept()
+    # guard.py has checked Host, Origin and the API key. A browser that offers subprotocols (the
+    # page does, to carry the key) needs one selected back.
+    offered = websocket.scope.get("subprotocols", [])
+    await websocket.accept(subprotocol=PAGE_PROTOCOL if PAGE_PROTOCOL in offered else None)
     async with anyio.create_task_group() as group:
         session = _V2Session(websocket, websocket.app.state.link, group.cancel_scope)
         group.start_soon(session.read)

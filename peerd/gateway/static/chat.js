@@ -40,7 +40,7 @@ function showWarning(text) {
 
 async function refreshStatus() {
   try {
-    const response = await fetch("/api/status");
+    const response = await apiKey.fetch("/api/status");
     const status = await response.json();
     if (!status.ok) {
       $("model").textContent = "daemon unavailable";
@@ -60,7 +60,7 @@ async function refreshStatus() {
 function openSession() {
   // Resolves with an open socket whose inference session is ready.
   return new Promise((resolve, reject) => {
-    const socket = new WebSocket(wsUrl());
+    const socket = new WebSocket(wsUrl(), apiKey.protocols());
     let opened = false;
     socket.onopen = () => {
       socket.send(JSON.stringify({ type: "open_inference_session", max_length: SESSION_MAX_LENGTH }));

@@ -99,7 +99,7 @@ function drawModel(model) {
 async function refreshSwarm() {
   const error = document.getElementById("error");
   try {
-    const response = await fetch("/api/v1/swarm", {cache: "no-store"});
+    const response = await apiKey.fetch("/api/v1/swarm", {cache: "no-store"});
     const data = await response.json();
     if (!response.ok) throw new Error(data.traceback || JSON.stringify(data));
     refreshMs = Math.max(100, data.refresh_s * 1000);
