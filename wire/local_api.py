@@ -16,7 +16,10 @@ import torch
 
 from wire.peer_protocol import (
     MAX_ADAPTER_NAME_LEN,
+    MAX_ADDR_LEN,
+    MAX_ADDRS,
     MAX_BATCH_SIZE,
+    MAX_BLOCKS,
     MAX_HOPS,
     MAX_ID_LEN,
     MAX_MODEL_LEN,
@@ -323,3 +326,8 @@ class StatusResponse(Message):
     """Whether peers can dial this daemon: public, private (behind NAT) or unknown."""
     links: tuple[str, ...] = spec(default=(), max_items=MAX_SWARM_RECORDS)
     """How this daemon is connected to each server in `swarm` now: direct, relayed or none."""
+    num_blocks: int = spec(default=0, ge=0, le=MAX_BLOCKS)
+    """Blocks of the daemon's model (0: a daemon before this field), so blocks past the last one
+    any server holds count as missing."""
+    addrs: tuple[str, ...] = spec(default=(), max_items=MAX_ADDRS, min_len=1, max_len=MAX_ADDR_LEN)
+    """Where other machines dial this daemon (its banner's addresses), best first."""

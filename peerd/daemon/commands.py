@@ -71,6 +71,14 @@ VERIFY_FRACTION = typer.Option(
 BATCHING = typer.Option(
     True, "--batching/--no-batching", help="Merge concurrent clients' steps into one forward."
 )
+ANNOUNCE_MADDRS = typer.Option(
+    [],
+    "--announce-maddrs",
+    help="Tell peers to dial this multiaddr instead of our own addresses (repeatable).",
+)
+PUBLIC_IP = typer.Option(
+    None, "--public-ip", help="Our public IP (port forwarding, cloud): announced first."
+)
 REACHABILITY = typer.Option(
     "auto", help="auto (peers dial us back: AutoNAT), public, or private (behind NAT: use relays)."
 )
@@ -101,6 +109,8 @@ def start(
     verify_fraction: float = VERIFY_FRACTION,
     batching: bool = BATCHING,
     reachability: str = REACHABILITY,
+    announce_maddrs: list[str] = ANNOUNCE_MADDRS,
+    public_ip: str | None = PUBLIC_IP,
 ) -> None:
     """Serve blocks of a model to the swarm and route generations for local clients."""
     from peerd.daemon.main import DaemonError, configure_logging, run
@@ -134,10 +144,17 @@ def _daemon_config(flags: dict[str, Any]) -> DaemonConfig:
             f"{flags['reachability']!r}: expected auto, public or private",
             param_hint="--reachability",
         )
+    from peerd.node.addresses import BadAnnounceAddr, check_announce
+
+    try:
+        check_announce(flags["announce_maddrs"], flags["public_ip"])
+    except BadAnnounceAddr as e:
+        hint = "--public-ip" if "--public-ip" in str(e) else "--announce-maddrs"
+        raise typer.BadParameter(str(e).split(": ", 1)[1], param_hint=hint) from None
     del flags["log_level"]  # the process's, not the daemon's
     if flags["blocks"] == "none":
         flags["blocks"] = None  # serve nothing: a pure client of the swarm
-    for many in ("initial_peers", "host_maddrs", "adapters"):
+    for many in ("initial_peers", "host_maddrs", "adapters", "announce_maddrs"):
         flags[many] = list(flags[many])
     return DaemonConfig(**flags)
 

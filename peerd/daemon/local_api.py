@@ -163,4 +163,6 @@ def build_status(
         tokens_served=server.counters.tokens_processed if server is not None else 0,
         reachability=swarm.node.reachability.value if swarm is not None else "unknown",
         links=tuple(swarm.link(r.peer_id) for r in records) if swarm is not None else (),
+        num_blocks=swarm.num_blocks if swarm is not None else 0,
+        addrs=tuple(swarm.node.maddrs()) if swarm is not None else (),
     )

@@ -87,6 +87,9 @@ class DaemonConfig:
     # spot-check this fraction of our sessions' steps (peerd.session.verify)
     verify_fraction: float = 0.0
     batching: bool = True  # merge concurrent steps of different sessions into one forward
+    # What peers are told to dial (peerd.node.addresses): replaces our addresses / goes first.
+    announce_maddrs: list[str] = field(default_factory=list)
+    public_ip: str | None = None
 
     def listen_addrs(self) -> list[str]:
         return self.host_maddrs or [f"/ip4/0.0.0.0/tcp/{self.port}"]
@@ -203,7 +206,13 @@ class Daemon:
         key_pair = load_or_create_identity(identity_path)
         # Our records are re-provided every period; keep them a few periods, not 48 h.
         set_provider_record_ttl(3 * config.refresh_period)
-        async with open_node(key_pair, config.listen_addrs(), mdns=config.mdns) as node:
+        async with open_node(
+            key_pair,
+            config.listen_addrs(),
+            mdns=config.mdns,
+            announce=config.announce_maddrs,
+            public_ip=config.public_ip,
+        ) as node:
             self.node = node
             self.swarm = SwarmView(
                 node,
@@ -214,6 +223,7 @@ class Daemon:
                 swarm_name=config.swarm_name,
             )
             self.swarm.verify_fraction = config.verify_fraction
+            self.swarm.hear_joins_and_leaves()
             for text in config.initial_peers:
                 await self._join(text)
             async with trio.open_nursery() as nursery:
@@ -314,6 +324,8 @@ class Daemon:
         throughput = await self._throughput(span)
         self.server.go_online(span, cache, throughput)
         log.info("online: blocks %d:%d, %.1f tokens/s", start, end, throughput)
+        assert self.swarm is not None
+        log.info("told %d peers that we joined", await self.swarm.tell_joined())
 
     async def _rebalance_forever(self) -> None:
         """A server that chose its own blocks re-checks now and then whether the swarm would
@@ -391,12 +403,15 @@ class Daemon:
         if self.metrics_port is not None:
             lines.append(f"metrics on http://127.0.0.1:{self.metrics_port}/metrics")
         lines += [f"listening on {addr}" for addr in self.node.maddrs()]
+        lines.append(join_command(self.config, self.node.maddrs()))
         print("\n".join(lines), flush=True)
 
     async def _handle_signals(self, scope: trio.CancelScope) -> None:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
                 log.info("received %s: draining", signal.Signals(signum).name)
+                if self.server is not None and self.swarm is not None:
+                    log.info("told %d peers that we leave", await self.swarm.tell_leaving())
                 await self.drain()
                 scope.cancel()
                 return
@@ -419,6 +434,20 @@ class Daemon:
 
 def _default_identity_path() -> Path:
     return state_dir() / "identity.key"
+
+
+def join_command(config: DaemonConfig, maddrs: list[str]) -> str:
+    """The banner's line with the command another machine joins this swarm with: through our
+    best address (peerd.node.addresses puts it first), with our model and swarm name."""
+    import shlex
+
+    direct = [a for a in maddrs if "/p2p-circuit" not in a] or maddrs
+    args = ["peerd", "start", "--initial-peers", direct[0] if direct else "ADDRESS"]
+    if config.model != "default":
+        args += ["--model", config.model]
+    if config.swarm_name:
+        args += ["--swarm", config.swarm_name]
+    return f"join from another machine: {shlex.join(args)}"
 
 
 def configure_logging(level: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -31,6 +31,7 @@ from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID, CircuitV2Protocol
 from libp2p.relay.circuit_v2.transport import CircuitV2Transport
 from libp2p.tools.anyio_service import background_trio_service
 
+from peerd.node.addresses import announced_addrs, check_announce
 from peerd.node.host import (
     DIAL_TIMEOUT_S,
     BadMultiaddr,
@@ -56,6 +57,8 @@ from peerd.node.nat import (
 __all__ = [
     "INFERENCE_PROTOCOL",
     "INFO_PROTOCOL",
+    "JOINED_PROTOCOL",
+    "LEAVING_PROTOCOL",
     "PUSH_PROTOCOL",
     "TRAINING_PROTOCOL",
     "BadMultiaddr",
@@ -72,9 +75,18 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 INFO_PROTOCOL = TProtocol("/peerd/info/1.0.0")
+# A server tells the peers it knows that it went online, and that it is leaving (SIGTERM), by
+# opening a stream of one of these protocols: the protocol is the whole message, and who sent it
+# is the Noise-authenticated peer of the connection (SwarmView.heard_join, heard_leave).
+JOINED_PROTOCOL = TProtocol("/peerd/joined/1.0.0")
+LEAVING_PROTOCOL = TProtocol("/peerd/leaving/1.0.0")
 INFERENCE_PROTOCOL = TProtocol("/peerd/inference/1.0.0")
 PUSH_PROTOCOL = TProtocol("/peerd/push/1.0.0")
 TRAINING_PROTOCOL = TProtocol("/peerd/training/1.0.0")
+
+
+# Peers told at once that we joined or leave: enough to be quick, few enough for a small machine.
+TELL_CONCURRENCY = 16
 
 
 class PeerUnreachable(ConnectionError):
@@ -255,6 +267,50 @@ class Node:
                 return str(addr).split("/p2p/")[0]
         return None
 
+    # --- telling peers we joined or leave -----------------------------------------------------
+
+    async def tell(self, peers: Iterable[ID], protocol: TProtocol, timeout: float) -> int:
+        """Open (and at once close) a stream of `protocol` to each of `peers`, a few at a time,
+        all within `timeout` seconds; return how many took it. A peer that is gone or does not
+        speak the protocol (an older version) is skipped."""
+        told = 0
+        limiter = trio.CapacityLimiter(TELL_CONCURRENCY)
+
+        async def tell_one(peer: ID) -> None:
+            nonlocal told
+            async with limiter:
+                try:
+                    stream = await self.open_stream(peer, protocol)
+                except Exception as e:
+                    log.debug("could not tell %s (%s): %s", peer, protocol, e)
+                    return
+                told += 1
+                with trio.move_on_after(1), contextlib.suppress(Exception):
+                    await stream.close()
+
+        with trio.move_on_after(timeout):
+            async with trio.open_nursery() as nursery:
+                for peer in peers:
+                    if peer != self.peer_id:
+                        nursery.start_soon(tell_one, peer)
+        return told
+
+    def on_told(self, protocol: TProtocol, heard: Callable[[ID], Awaitable[None]]) -> None:
+        """Call `heard(peer)` for every stream of `protocol` a peer opens to us, `peer` being
+        the authenticated peer of the connection (nothing is read from the stream). A failure
+        of `heard` is logged and ends that stream only."""
+
+        async def handler(stream: Any) -> None:
+            peer = stream.muxed_conn.peer_id
+            with trio.move_on_after(1), contextlib.suppress(Exception):
+                await stream.close()
+            try:
+                await heard(peer)
+            except Exception:
+                log.exception("handling %s from %s failed", protocol, peer)
+
+        self.host.set_stream_handler(protocol, handler)
+
     # --- reachability -------------------------------------------------------------------------
 
     async def check_reachability(self) -> Reachability:
@@ -354,7 +410,13 @@ async def open_node(
     *,
     dht_server: bool = True,
     mdns: bool = False,
+    announce: Sequence[str] = (),
+    public_ip: str | None = None,
 ) -> AsyncIterator[Node]:
+    """A running Node listening on `listen_addrs`. Peers are given our listen addresses with
+    "every interface" spelled out as this machine's IPs, `public_ip` with our ports in front;
+    `announce` replaces them all (peerd.node.addresses)."""
+    check_announce(announce, public_ip)
     addrs = [multiaddr.Multiaddr(a) for a in listen_addrs]
     host = make_host(key_pair, addrs, mdns)
     async with host.run(addrs):
@@ -375,18 +437,24 @@ async def open_node(
         ):
             relay = Relay(protocol, CircuitV2Transport(host, protocol, config), dcutr)
             node = Node(host, dht, relay=relay, autonat=autonat)
-            _announce_relayed_addrs(node)
+            _advertise(node, list(announce), public_ip)
             yield node
 
 
-def _announce_relayed_addrs(node: Node) -> None:
-    """Peers learn our addresses from the host (identify, DHT provider records); behind NAT
-    only our addresses through relays are of use to them, so the host lists those too.
-    (py-libp2p's own dialer skips /p2p-circuit addresses; Node.dial uses them.)"""
+def _advertise(node: Node, announce: list[str], public_ip: str | None) -> None:
+    """Peers learn our addresses from the host (identify, DHT provider records, our record):
+    give them addresses they can dial (peerd.node.addresses), and behind NAT our addresses
+    through relays, which are the only ones of use to them. (py-libp2p's own dialer skips
+    /p2p-circuit addresses; Node.dial uses them.)"""
     listen_addrs = node.host.get_addrs
+    own = f"/p2p/{node.peer_id.to_string()}"
 
-    def with_relayed() -> list[multiaddr.Multiaddr]:
-        relayed = [multiaddr.Multiaddr(a) for a in sorted(node.relayed_addrs.values())]
-        return [*listen_addrs(), *relayed]
+    def advertised() -> list[multiaddr.Multiaddr]:
+        listen = [str(a).split("/p2p/")[0] for a in listen_addrs() if not is_circuit(a)]
+        ours = announced_addrs(listen, announce=announce, public_ip=public_ip)
+        relayed = sorted(node.relayed_addrs.values())
+        return [multiaddr.Multiaddr(a + own) for a in ours] + [
+            multiaddr.Multiaddr(a) for a in relayed
+        ]
 
-    node.host.get_addrs = with_relayed  # type: ignore[method-assign]
+    node.host.get_addrs = advertised  # type: ignore[method-assign]

@@ -95,8 +95,10 @@ def run_chat(
 
 
 def servers_per_block(status: wire.StatusResponse) -> list[int]:
-    """How many online servers hold each block the daemon has seen."""
-    counts = [0] * max((info.end for info in status.swarm), default=0)
+    """How many online servers hold each block of the model (of those the daemon has seen, from
+    a daemon that does not say how many the model has)."""
+    seen = max((info.end for info in status.swarm), default=0)
+    counts = [0] * max(status.num_blocks, seen)
     for info in status.swarm:
         if info.state == "online":
             for block in range(info.start, info.end):
@@ -137,7 +139,7 @@ def format_status(status: wire.StatusResponse) -> str:
     num_blocks = len(counts)
     holes = [str(b) for b, n in enumerate(counts) if n == 0]
     lines.append(
-        f"{model}: {num_blocks} blocks seen, servers per block "
+        f"{model}: {num_blocks} blocks, servers per block "
         + " ".join(str(n) for n in counts)
         + (f"; NOT SERVED: {', '.join(holes)}" if holes else "; every block is served")
     )
@@ -156,7 +158,18 @@ def format_status(status: wire.StatusResponse) -> str:
             f"{info.throughput:>7.1f} {shown_rtt:>7} {link:<8} {info.free_cache_tokens:>10} "
             f"{','.join(info.adapters) or '-'}"
         )
-    return "\n".join(lines)
+    return "\n".join(lines + _addresses(status))
+
+
+def _addresses(status: wire.StatusResponse) -> list[str]:
+    """Where each server, and this daemon, can be dialled (what --initial-peers takes)."""
+    lines = ["", "addresses (for --initial-peers):"]
+    if status.addrs:
+        lines.append(f"  this daemon: {' '.join(status.addrs)}")
+    for info in sorted(status.swarm, key=lambda i: i.start):
+        if info.peer_id != status.peer_id:
+            lines.append(f"  ...{info.peer_id[-16:]}: {' '.join(info.addrs) or '-'}")
+    return lines
 
 
 def status_table(status: wire.StatusResponse) -> Any:
@@ -210,7 +223,7 @@ def status_table(status: wire.StatusResponse) -> Any:
             str(info.free_cache_tokens),
             ", ".join(info.adapters) or "-",
         )
-    parts += [Text(""), table]
+    parts += [Text(""), table, *(Text(line) for line in _addresses(status))]
     return Group(*parts)
 
 

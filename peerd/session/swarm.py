@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -19,7 +20,7 @@ from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 import wire
-from peerd.node.p2p import INFO_PROTOCOL, Node
+from peerd.node.p2p import INFO_PROTOCOL, JOINED_PROTOCOL, LEAVING_PROTOCOL, Node
 from peerd.node.streams import MessageStream
 from peerd.session.hops import DIAL_FAULTS, PEER_FAULTS
 from peerd.session.local import LocalServer
@@ -36,8 +37,24 @@ INFO_TIMEOUT_S = 3.0
 LOST_SERVER_MEMORY_S = 600.0
 MAX_PROVIDERS = 64
 BLOCK_LOOKUP_CONCURRENCY = 4
+# Joining and leaving (heard_join, heard_leave): a peer that says it joined is asked for its
+# record at most once in this many seconds, by at most this many look-ups at once; what we know
+# of who joined and left is kept for so many peers; telling the peers we know takes at most
+# TELL_TIMEOUT_S, and at most MAX_TOLD of them are told.
+JOIN_MIN_INTERVAL_S = 5.0
+JOIN_LOOKUPS = 8
+MAX_PRESENCE_MEMORY = 4096
+TELL_TIMEOUT_S = 5.0
+MAX_TOLD = 256
 # sha2-256 multihash prefix: remote DHT nodes accept multihash keys of any length we need.
 _MULTIHASH_SHA256 = b"\x12\x20"
+
+
+def _forget_oldest(times: dict[str, float]) -> None:
+    """Keep a peer -> time map under MAX_PRESENCE_MEMORY entries: drop the oldest half."""
+    if len(times) >= MAX_PRESENCE_MEMORY:
+        for peer_id in sorted(times, key=times.__getitem__)[: len(times) // 2]:
+            del times[peer_id]
 
 
 def _dht_key(text: str) -> str:
@@ -95,6 +112,12 @@ class SwarmView:
         # Fraction of steps this daemon's sessions re-run on a second server (peerd.session.verify).
         self.verify_fraction = 0.0
         self._refresh_lock = trio.Lock()
+        # Servers that told us they leave (SIGTERM), and when: no refresh brings them back until
+        # they say they joined again or 2 refresh periods pass. When each peer last said it
+        # joined (rate limit), and the join look-ups running now.
+        self.left: dict[str, float] = {}
+        self._join_heard: dict[str, float] = {}
+        self._join_lookups = trio.CapacityLimiter(JOIN_LOOKUPS)
 
     # --- announcing ---------------------------------------------------------------------------
 
@@ -230,7 +253,7 @@ class SwarmView:
 
         async def confirm(peer_id: str, info: PeerInfo) -> None:
             record = await self.fetch_record(info)
-            if record is not None:
+            if record is not None and not self.has_left(peer_id):
                 into[peer_id] = record
 
         async with trio.open_nursery() as nursery:
@@ -239,6 +262,82 @@ class SwarmView:
                     nursery.start_soon(confirm, peer_id, info)
         if (own := self.own_record()) is not None:
             into[own_id] = own
+
+    # --- joining and leaving ------------------------------------------------------------------
+
+    def hear_joins_and_leaves(self) -> None:
+        """Take the joined/leaving streams peers open to us (peerd.node.p2p.Node.on_told)."""
+        self.node.on_told(JOINED_PROTOCOL, self._heard_join_from)
+        self.node.on_told(LEAVING_PROTOCOL, self._heard_leave_from)
+
+    async def _heard_join_from(self, peer: ID) -> None:
+        await self.heard_join(peer.to_string())
+
+    async def _heard_leave_from(self, peer: ID) -> None:
+        await self.heard_leave(peer.to_string())
+
+    def _neighbours(self) -> list[ID]:
+        """The peers to tell that we joined or leave: the servers in our view, the peers we are
+        connected to and those in our DHT routing table."""
+        own = self.node.peer_id
+        peers = [ID.from_base58(p) for p in self.records]
+        peers += self.node.host.get_connected_peers()
+        peers += self.node.dht.routing_table.get_peer_ids()
+        return [p for p in dict.fromkeys(peers) if p != own][:MAX_TOLD]
+
+    async def tell_joined(self) -> int:
+        """Tell the peers we know that we are online (each then asks us for our record);
+        return how many were told."""
+        return await self.node.tell(self._neighbours(), JOINED_PROTOCOL, TELL_TIMEOUT_S)
+
+    async def tell_leaving(self) -> int:
+        """Tell the peers we know that we are leaving: they drop us from their views at once."""
+        return await self.node.tell(self._neighbours(), LEAVING_PROTOCOL, TELL_TIMEOUT_S)
+
+    def has_left(self, peer_id: str) -> bool:
+        """The server told us it leaves, less than 2 refresh periods ago."""
+        at = self.left.get(peer_id)
+        return at is not None and time.time() - at < 2 * self.refresh_period
+
+    async def heard_join(self, peer_id: str) -> bool:
+        """A peer told us it joined. Its word is not taken: we ask it for its record, as a
+        refresh does (at most once every JOIN_MIN_INTERVAL_S per peer, JOIN_LOOKUPS at once,
+        else the next refresh will), and add it to the view if it serves our model. Return
+        whether it was added."""
+        now = time.time()
+        if now - self._join_heard.get(peer_id, -math.inf) < JOIN_MIN_INTERVAL_S:
+            return False
+        _forget_oldest(self._join_heard)
+        self._join_heard[peer_id] = now
+        try:
+            self._join_lookups.acquire_nowait()
+        except trio.WouldBlock:
+            return False
+        try:
+            record = await self.fetch_record(PeerInfo(ID.from_base58(peer_id), []))
+        finally:
+            self._join_lookups.release()
+        if record is None or peer_id == self.node.peer_id.to_string():
+            return False
+        # After a refresh under way: it would replace the view with what it found without us.
+        async with self._refresh_lock:
+            self.left.pop(peer_id, None)
+            self.records[peer_id] = record
+            self._remember_seen({peer_id: record})
+        log.info("server %s joined (blocks %d:%d)", peer_id, record.start, record.end)
+        return True
+
+    async def heard_leave(self, peer_id: str) -> None:
+        """The server `peer_id` (the authenticated peer of the stream: nobody can make another
+        peer leave) is going: out of the view now, and kept out for 2 refresh periods, however
+        the DHT and its draining record still list it."""
+        _forget_oldest(self.left)
+        self.left[peer_id] = time.time()
+        async with self._refresh_lock:  # after a refresh under way, which may have found it
+            if self.records.pop(peer_id, None) is not None:
+                log.info("server %s left the swarm", peer_id)
+            self.missed.discard(peer_id)
+            self.rtts.forget(peer_id)
 
     def _remember_seen(self, fresh: dict[str, ServerRecord]) -> None:
         self.last_seen.update(fresh)

@@ -1,0 +1,162 @@
+"""Joining a swarm as a person does it, in process: the addresses a daemon gives out are ones
+another machine can dial (peerd.node.addresses), a server that says it joined is in the others'
+views at once (after they asked it themselves), one that says it leaves is out at once and stays
+out, and `peerd status` counts the blocks nobody serves at the end of the model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+
+import blocks
+import wire
+from peerd.node.addresses import BadAnnounceAddr, announced_addrs, check_announce
+from peerd.node.p2p import JOINED_PROTOCOL, LEAVING_PROTOCOL, open_node
+from peerd.sdk.terminal import format_status
+from peerd.session.swarm import SwarmView
+from routing.records import ServerRecord, record_to_info
+from tests.memnet import TINY_BLOCKS, TINY_MODEL, open_memnet, save_tiny_llama
+
+IPS = {4: ["198.51.100.7", "10.0.0.5"], 6: ["2001:db8::7"]}
+
+
+def test_every_interface_is_announced_as_this_machines_ips() -> None:
+    listen = ["/ip4/0.0.0.0/tcp/4100", "/ip6/::/tcp/4101", "/ip4/127.0.0.1/tcp/4102"]
+    assert announced_addrs(listen, ips=IPS) == [
+        "/ip4/198.51.100.7/tcp/4100",
+        "/ip4/10.0.0.5/tcp/4100",
+        "/ip6/2001:db8::7/tcp/4101",
+        "/ip4/127.0.0.1/tcp/4102",  # listened on by name: a local swarm
+    ]
+
+
+def test_public_ip_goes_first_and_announce_maddrs_replace_all() -> None:
+    listen = ["/ip4/0.0.0.0/tcp/4100", "/ip4/127.0.0.1/tcp/4102"]
+    # The forwarded port is ours; a loopback listener is not what a router forwards to.
+    assert announced_addrs(listen, public_ip="203.0.113.9", ips=IPS) == [
+        "/ip4/203.0.113.9/tcp/4100",
+        "/ip4/198.51.100.7/tcp/4100",
+        "/ip4/10.0.0.5/tcp/4100",
+        "/ip4/127.0.0.1/tcp/4102",
+    ]
+    announce = ["/dns4/peerd.example.org/tcp/443", "/ip4/203.0.113.9/tcp/31337/p2p/12D3KooWx"]
+    assert announced_addrs(listen, announce=announce, ips=IPS) == [
+        "/dns4/peerd.example.org/tcp/443",
+        "/ip4/203.0.113.9/tcp/31337",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("announce", "public_ip", "says"),
+    [
+        (["not an address"], None, "expected a TCP multiaddr"),
+        (["/ip4/0.0.0.0/tcp/1"], None, "every interface"),
+        ([], "example.org", "expected an IP address"),
+        ([], "127.0.0.1", "cannot dial"),
+    ],
+)
+def test_undialable_announcements_are_refused(
+    announce: list[str], public_ip: str | None, says: str
+) -> None:
+    with pytest.raises(BadAnnounceAddr, match=says):
+        check_announce(announce, public_ip)
+
+
+async def test_a_node_gives_out_no_unspecified_address() -> None:
+    async with open_node(create_new_key_pair(), ["/ip4/0.0.0.0/tcp/0"], mdns=False) as node:
+        addrs = node.maddrs()
+        given = [str(a) for a in node.host.get_addrs()]  # identify, DHT records
+    assert addrs and given
+    for addr in addrs + given:
+        assert "/ip4/0.0.0.0/" not in addr and addr.endswith(f"/p2p/{node.peer_id}"), addr
+
+
+async def test_who_joined_or_leaves_is_the_authenticated_peer_not_a_claim() -> None:
+    heard: list[tuple[str, str]] = []
+    async with (
+        open_node(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as a,
+        open_node(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as b,
+    ):
+        for protocol in (JOINED_PROTOCOL, LEAVING_PROTOCOL):
+
+            async def note(peer: ID, protocol: str = protocol) -> None:
+                heard.append((protocol, peer.to_string()))
+
+            b.on_told(protocol, note)
+        b_addr = b.maddrs()[0]
+        a.remember(b.peer_id, [b_addr])
+        assert await a.tell([b.peer_id, a.peer_id], JOINED_PROTOCOL, timeout=10) == 1
+        assert await a.tell([b.peer_id], LEAVING_PROTOCOL, timeout=10) == 1
+        with trio.fail_after(10):
+            while len(heard) < 2:
+                await trio.sleep(0.01)
+    assert heard == [(JOINED_PROTOCOL, str(a.peer_id)), (LEAVING_PROTOCOL, str(a.peer_id))]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("joining"))
+
+
+async def test_a_join_is_checked_live_and_a_leave_keeps_the_server_out(tiny_llama: Path) -> None:
+    async with open_memnet() as net:
+        net.serve("s1", blocks.load_span(tiny_llama, 0, TINY_BLOCKS))
+        view = SwarmView(net.node("client"), TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
+        s1 = net.peer_id("s1")
+        # A peer that serves nothing (or is gone) is not added for saying it joined.
+        assert not await view.heard_join(net.peer_id("nobody"))
+        assert await view.heard_join(s1)
+        assert view.records[s1].state is wire.ServerState.ONLINE
+        # A second join soon after is not looked up again (a flood costs one look-up).
+        del view.records[s1]
+        assert not await view.heard_join(s1)
+        assert s1 not in view.records
+        view.records[s1] = net.server("s1").record()
+
+        await view.heard_leave(s1)
+        assert s1 not in view.records and view.has_left(s1)
+        # It still answers `info` (draining) and the DHT still lists it: a refresh's look-up
+        # finds it, and leaves it out.
+        fresh: dict[str, object] = {}
+        await view._confirm({s1: PeerInfo(ID.from_base58(s1), [])}, fresh)  # type: ignore[arg-type]
+        assert s1 not in fresh
+        # Back again: its own join lets it in (once the rate limit allows a look-up).
+        view._join_heard.clear()
+        assert await view.heard_join(s1)
+        assert s1 in view.records and not view.has_left(s1)
+
+
+def test_status_counts_unserved_blocks_at_the_end_of_the_model() -> None:
+    record = record_to_info(_record("12D3KooWfirst", 0, 20))
+    status = wire.StatusResponse(
+        peer_id="12D3KooWme",
+        version="0.1.0",
+        uptime_s=5.0,
+        swarm=(record,),
+        num_blocks=30,
+        addrs=("/ip4/198.51.100.7/tcp/4100/p2p/12D3KooWme",),
+    )
+    text = format_status(status)
+    assert "every block is served" not in text
+    assert "NOT SERVED: " + ", ".join(str(b) for b in range(20, 30)) in text
+    assert "30 blocks" in text
+    assert "/ip4/198.51.100.7/tcp/4100/p2p/12D3KooWme" in text
+
+
+def _record(peer_id: str, start: int, end: int) -> ServerRecord:
+    return ServerRecord(
+        peer_id=peer_id,
+        model="smollm2",
+        start=start,
+        end=end,
+        throughput=1.0,
+        free_cache_tokens=100,
+        state=wire.ServerState.ONLINE,
+        version="0.1.0",
+        addrs=(f"/ip4/198.51.100.8/tcp/4100/p2p/{peer_id}",),
+    )
