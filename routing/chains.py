@@ -5,6 +5,9 @@ The cheapest chain is Dijkstra over block boundaries, with a node per (server, b
 span so that leaving a server early is an ordinary edge; hop costs are the planner's (see
 routing.planner). Among equally cheap chains it takes the one with fewer hops; blocks on servers
 reporting zero throughput are avoided before anything else.
+
+Both take each server's throughput from `throughputs` (peer_id -> tokens/s), the figure routing
+believes (routing.speeds), falling back to the record's own for a peer it lacks.
 """
 
 from __future__ import annotations
@@ -51,10 +54,11 @@ def cheapest_route(
     rtts: Mapping[str, float],
     default_rtt_s: float,
     relayed_penalty_s: float,
+    throughputs: Mapping[str, float] | None = None,
 ) -> Route:
     """The cheapest hops through blocks [start, end), given each block's usable holders (every
     block has one): RTT and relay penalty per hop, seconds per block on each server."""
-    costs = _Costs.of(by_block, rtts, default_rtt_s, relayed_penalty_s)
+    costs = _Costs.of(by_block, rtts, default_rtt_s, relayed_penalty_s, throughputs or {})
     parent = _shortest_paths(costs, by_block, start, end)
     return _route_back(parent, costs.servers, start, end)
 
@@ -75,6 +79,7 @@ class _Costs:
         rtts: Mapping[str, float],
         default_rtt_s: float,
         relayed_penalty_s: float,
+        throughputs: Mapping[str, float],
     ) -> _Costs:
         servers: list[ServerRecord] = []
         index: dict[str, int] = {}
@@ -83,6 +88,7 @@ class _Costs:
                 if record.peer_id not in index:
                     index[record.peer_id] = len(servers)
                     servers.append(record)
+        speed = [throughputs.get(r.peer_id, r.throughput) for r in servers]
         return _Costs(
             servers=servers,
             index=index,
@@ -92,8 +98,11 @@ class _Costs:
                 )
                 for r in servers
             ],
-            step=[0 if r.throughput <= 0 else _nanoseconds(r.seconds_per_block) for r in servers],
-            stalled=[1 if r.throughput <= 0 else 0 for r in servers],
+            step=[
+                0 if t <= 0 else _nanoseconds(1.0 / (t * r.num_blocks))
+                for r, t in zip(servers, speed, strict=True)
+            ],
+            stalled=[1 if t <= 0 else 0 for t in speed],
         )
 
 
@@ -155,15 +164,20 @@ def _route_back(
 
 
 def spread_route(
-    by_block: list[list[ServerRecord]], start: int, end: int, rng: random.Random
+    by_block: list[list[ServerRecord]],
+    start: int,
+    end: int,
+    rng: random.Random,
+    throughputs: Mapping[str, float] | None = None,
 ) -> Route:
     """Hops chosen at random at each boundary, weighted by throughput, each run to the end of
     its server's span: training's many short calls spread over the servers."""
+    throughputs = throughputs or {}
     hops: list[RouteHop] = []
     boundary = start
     while boundary < end:
         holders = by_block[boundary - start]
-        weights = [r.throughput for r in holders]
+        weights = [throughputs.get(r.peer_id, r.throughput) for r in holders]
         if not math.fsum(weights) > 0:
             weights = [1.0] * len(holders)  # all stalled: any of them beats no route
         record = rng.choices(holders, weights=weights)[0]

@@ -19,11 +19,16 @@ before anything else.
 Training (forward/backward, many short independent calls) spreads load instead: at each boundary
 it picks one of the servers holding the next block at random, weighted by throughput, and runs
 it to the end of that server's span.
+
+Throughput is self-reported, so both modes plan with the credible throughput of routing.speeds:
+the announced figure bounded by what the caller measured of the server's steps (`measured`) or,
+before any measurement, by a multiple of the swarm's median speed per block.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import random
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -38,6 +43,7 @@ from routing.records import (
     contiguous_ranges,
     format_blocks,
 )
+from routing.speeds import credible_throughputs
 
 Mode = Literal["inference", "training"]
 
@@ -118,10 +124,14 @@ def hop_cost(
     *,
     rtt_s: float,
     relayed_penalty_s: float = DEFAULT_RELAYED_PENALTY_S,
+    throughput: float | None = None,
 ) -> float:
-    """Seconds the planner charges for running blocks [start, end) on `record`'s server."""
+    """Seconds the planner charges for running blocks [start, end) on `record`'s server, whose
+    throughput is taken as `throughput` (the credible one, routing.speeds) when given."""
     penalty = relayed_penalty_s if record.relayed else 0.0
-    return rtt_s + (end - start) * record.seconds_per_block + penalty
+    speed = record.throughput if throughput is None else throughput
+    per_block = math.inf if speed <= 0 else 1.0 / (speed * record.num_blocks)
+    return rtt_s + (end - start) * per_block + penalty
 
 
 def route_cost(
@@ -130,8 +140,11 @@ def route_cost(
     rtts: Mapping[str, float],
     default_rtt_s: float = DEFAULT_RTT_S,
     relayed_penalty_s: float = DEFAULT_RELAYED_PENALTY_S,
+    throughputs: Mapping[str, float] | None = None,
 ) -> float:
-    """Sum of `hop_cost` over a route: the planner's estimate of one decode step, in seconds."""
+    """Sum of `hop_cost` over a route: the planner's estimate of one decode step, in seconds
+    (with each server's throughput from `throughputs` where it has one)."""
+    throughputs = throughputs or {}
     return sum(
         hop_cost(
             hop.record,
@@ -139,6 +152,7 @@ def route_cost(
             hop.end,
             rtt_s=rtts.get(hop.peer_id, default_rtt_s),
             relayed_penalty_s=relayed_penalty_s,
+            throughput=throughputs.get(hop.peer_id),
         )
         for hop in route
     )
@@ -171,6 +185,7 @@ def plan_route(
     rng: random.Random | None = None,
     default_rtt_s: float = DEFAULT_RTT_S,
     adapter: str | None = None,
+    measured: Mapping[str, float] | None = None,
 ) -> Route:
     """Hops that together run exactly blocks [start, end) (end defaults to the last block).
 
@@ -179,7 +194,9 @@ def plan_route(
     when that is given, or whose record expired by `now`. In inference mode a server also needs
     `min_free_cache_tokens` of free cache and must open sessions of `session_length` tokens (when
     its record announces a max_session_length). With `adapter`, only servers whose record lists
-    that adapter are used. `rng` drives training mode's random choice.
+    that adapter are used. `rng` drives training mode's random choice. Throughputs are the
+    credible ones (routing.speeds), bounded by `measured`: per peer, the seconds one token spent
+    in one of its blocks as the caller timed it (a `StepSpeeds`).
 
     Raises NoRouteError when some block has no usable server, ValueError on bad arguments.
     """
@@ -200,8 +217,9 @@ def plan_route(
     )
     by_block, skipped = _holders_by_block(snapshot, start, end, reason)
     _check_covered(snapshot, start, by_block, skipped, allowed_servers)
+    throughputs = credible_throughputs(snapshot.records, measured)
     if mode == "training":
-        return spread_route(by_block, start, end, rng or random.Random())
+        return spread_route(by_block, start, end, rng or random.Random(), throughputs)
     return cheapest_route(
         by_block,
         start,
@@ -209,6 +227,7 @@ def plan_route(
         rtts=rtts or {},
         default_rtt_s=default_rtt_s,
         relayed_penalty_s=relayed_penalty_s,
+        throughputs=throughputs,
     )
 
 
@@ -290,6 +309,7 @@ def replan_from(
     rng: random.Random | None = None,
     default_rtt_s: float = DEFAULT_RTT_S,
     adapter: str | None = None,
+    measured: Mapping[str, float] | None = None,
 ) -> Route:
     """`route` with every hop on `failed_peer` replaced by hops over the same blocks.
 
@@ -321,6 +341,7 @@ def replan_from(
                 rng=rng,
                 default_rtt_s=default_rtt_s,
                 adapter=adapter,
+                measured=measured,
             )
         )
     return tuple(new_route)

@@ -8,12 +8,14 @@ that hop on the replacement.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable
 
 import torch
 
 from peerd.session.hops import PEER_FAULTS, HopSession
 from peerd.session.route import RouteKeeper
+from routing.planner import RouteHop
 from wire.peer_protocol import CompressionName
 
 # Called after each step with (the step's output, the position of its first token); returns the
@@ -57,6 +59,7 @@ class StepRunner:
         hops = self.route.hops
         while i < len(hops):
             hop = hops[i]
+            sent = time.perf_counter()
             try:
                 output = await hop.step(hidden, self.codec, rewind)
             except PEER_FAULTS as e:
@@ -64,6 +67,7 @@ class StepRunner:
                 continue  # the replacement hops start at the same block: retry with `hidden`
             self.route.remember(hop.hop.start, hidden)
             self.route.swarm.report_success(hop.peer_id)
+            _record_step(self.route, hop.hop, hidden, sent)
             hidden = output
             i += 1
         return hidden
@@ -85,6 +89,7 @@ class StepRunner:
         chain = tuple(hop.as_next_hop() for hop in hops[1:])
         for hop in hops[1:]:
             hop.expect(step_id)  # their replies to the pushed step come on their streams
+        sent = time.perf_counter()
         try:
             await hops[0].send_step(hidden, self.codec, step_id, next_hops=chain)
         except PEER_FAULTS:
@@ -96,7 +101,16 @@ class StepRunner:
                 return i, hidden
             self.route.remember(hop.hop.start, hidden)
             self.route.swarm.report_success(hop.peer_id)
+            if i == 0:  # a later hop's input comes when the hop before it pushes: not timed
+                _record_step(self.route, hop.hop, hidden, sent)
             hidden = result.hidden_states
             if result.push_failed and i + 1 < len(hops):
                 return i + 1, hidden
         return len(hops), hidden
+
+
+def _record_step(route: RouteKeeper, hop: RouteHop, hidden: torch.Tensor, sent: float) -> None:
+    """Tell the swarm view how long `hop`'s server took over a step of `hidden` sent at `sent`
+    (routing believes announced throughputs only as far as such timings allow)."""
+    tokens = int(hidden.shape[0]) * int(hidden.shape[1])
+    route.swarm.record_step(hop.peer_id, hop.end - hop.start, tokens, time.perf_counter() - sent)

@@ -28,6 +28,7 @@ from routing.bans import BanList
 from routing.planner import Route, plan_route
 from routing.records import SELECTION_STATES, ServerRecord, SwarmSnapshot, info_to_record
 from routing.rtt import RttTracker
+from routing.speeds import StepSpeeds
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ class SwarmView:
         # This daemon's own block server, reached directly when a route uses it.
         self.local_server: LocalServer | None = None
         self.rtts = RttTracker()
+        self.speeds = StepSpeeds()  # how fast servers ran our steps (record_step)
         self.bans = BanList()
         # Fraction of steps this daemon's sessions re-run on a second server (peerd.session.verify).
         self.verify_fraction = 0.0
@@ -245,6 +247,7 @@ class SwarmView:
             self._remember_seen(fresh)
             for peer_id in gone:
                 self.rtts.forget(peer_id)
+                self.speeds.forget(peer_id)
 
     async def _confirm(
         self, candidates: dict[str, PeerInfo], into: dict[str, ServerRecord]
@@ -394,6 +397,12 @@ class SwarmView:
     def report_success(self, peer_id: str) -> None:
         self.bans.record_success(peer_id)
 
+    def record_step(self, peer_id: str, blocks: int, tokens: int, seconds: float) -> None:
+        """A server answered a step of `tokens` tokens through `blocks` of its blocks `seconds`
+        after it was sent; routing believes announced throughputs only so far (routing.speeds)."""
+        rtt_s = self.rtts.get(peer_id, 0.0)
+        self.speeds.record(peer_id, blocks=blocks, tokens=tokens, seconds=seconds, rtt_s=rtt_s)
+
     def plan(self, start: int = 0, end: int | None = None, **kwargs: object) -> Route:
         """The cheapest route over [start, end) in the current view (NoRouteError if none)."""
         return plan_route(
@@ -403,6 +412,7 @@ class SwarmView:
             rtts=self.rtts,
             bans=self.bans,
             now=time.time(),
+            measured=self.speeds,
             **kwargs,  # type: ignore[arg-type]
         )
 
