@@ -19,23 +19,30 @@ it, in the order they run): a client draws them from one counter per session, wh
 step reaches the server. `start_position` may not pass the cached tokens, and no step may bring
 the session past its max_length. A pushed step is taken only for an open session, only from the
 peer the client named as `upstream` in OpenSession (from any peer when it named none), and at
-most `max_pushed` may wait; one whose id is not past the last step run is stale (the client
+most `max_pushed` may wait; when it named a `push_token`, the pushed step must carry it (compared
+in constant time); one whose id is not past the last step run is stale (the client
 moved on and sent that step's successor itself) and dropped without error.
 
 Inference, client side (`ClientInference`, one per server session):
 
     conv = ClientInference(request)    # the OpenSession sent
     conv.received(reply)               # Opened | Refused
-    conv.sent_step(step_id)            # a Step sent to this server, or pushed to it for us
-    conv.received(reply)               # StepDone | LateReply (drop it, read on) | Refused
+    conv.sent_step(step_id, shape)     # a Step sent to this server, or pushed to it for us
+    conv.received(reply)               # StepDone | LateReply | Unsolicited | Refused
     conv.cancelled(step_id)            # gave up on that step's reply (Ctrl-C, a broken chain)
 
 One step is in flight per session: sending a step gives up on any earlier one still unanswered.
 A reply to a step given up on is a LateReply, to drop: the server is healthy, only slow. A reply
-to a step never sent is UnexpectedReply (the server is confused or lying).
+to a step never sent is UnexpectedReply (the server is confused or lying) when nobody may push
+into the session; when its `upstream` may, it is Unsolicited: that upstream (or the server) ran
+a step we never sent, which nothing on our side can pin on either, so the client blames neither
+and stops trusting the session's cache. A StepDone's hidden states have the shape of the step's
+input (every span maps [batch, tokens, hidden] to the same shape) and are finite; anything else
+is BadReply.
 
 Push and `upstream`: a client that pushes names, in each hop's OpenSession, the hop before it as
-`upstream`, so no one else can push into the session. The server closes a push stream that breaks
+`upstream`, and draws a fresh `push_token` for it that only the NextHop naming the session
+carries, so no one else can push into the session. The server closes a push stream that breaks
 this without telling anyone (push streams are never answered), so the step never reaches that
 hop: after replacing a hop, push only as far as the next hop that named it, and relay the rest.
 
@@ -46,7 +53,10 @@ BackwardResult, Error for either; one request at a time on a stream.
 from __future__ import annotations
 
 import enum
+import hmac
 from dataclasses import dataclass, field
+
+import torch
 
 from wire.errors import ProtocolError
 from wire.peer_protocol import (
@@ -103,6 +113,11 @@ class UnexpectedReply(ConversationError):
     """A reply to a request this side never sent (or of the wrong kind)."""
 
 
+class BadReply(ConversationError):
+    """A step's reply whose hidden states are not what the step must give back: another shape
+    than its input's, or values that are not finite (NaN, inf)."""
+
+
 class Phase(enum.Enum):
     AWAITING_OPEN = "awaiting_open"  # server: nothing received yet
     OPENING = "opening"  # OpenSession sent or received, no answer yet
@@ -147,6 +162,14 @@ class LateReply:
 
 
 @dataclass(frozen=True)
+class Unsolicited:
+    """A reply to a step this client never sent, on a session another server may push into: a
+    step ran there that we did not ask for, so the session's cache is no longer ours."""
+
+    result: StepResult
+
+
+@dataclass(frozen=True)
 class Refused:
     """The server refused the request or ended the session; the conversation is over."""
 
@@ -164,7 +187,7 @@ class TrainingDone:
 
 
 ServerEvent = OpenRequested | StepRequested | CloseRequested
-ClientEvent = Opened | StepDone | LateReply | Refused
+ClientEvent = Opened | StepDone | LateReply | Unsolicited | Refused
 
 
 def _out_of_turn(who: str, message: Message, phase: Phase, expected: str) -> OutOfTurn:
@@ -221,11 +244,16 @@ class ServerInference:
         if self.phase is not Phase.OPEN or self.request is None:
             raise PushRefused(f"no open session {step.session_id[:12]} to push into")
         self._check_session(step.session_id)
-        upstream = self.request.upstream
+        upstream, token = self.request.upstream, self.request.push_token
         if upstream is not None and sender != upstream:
             raise PushRefused(
                 f"session {step.session_id[:12]} takes pushed steps only from {upstream}, the "
                 f"hop before it in its client's route; {sender} is not"
+            )
+        if token is not None and not _same_token(token, step.push_token):
+            raise PushRefused(
+                f"a step pushed by {sender} into session {step.session_id[:12]} does not carry "
+                "the session's push token (push the next_hops entry's push_token)"
             )
         if self.pushed_waiting >= self.max_pushed:
             raise TooManyPushed(
@@ -279,6 +307,11 @@ class ServerInference:
             )
 
 
+def _same_token(expected: str, given: str | None) -> bool:
+    """Constant-time: how long a comparison takes tells nothing of how much of a guess matched."""
+    return given is not None and hmac.compare_digest(expected.encode(), given.encode())
+
+
 # --- inference, client side ---------------------------------------------------------------------
 
 
@@ -291,6 +324,7 @@ class ClientInference:
     max_length: int = 0
     last_step_id: int = -1
     owed: int | None = None  # the step whose reply we wait for
+    owed_shape: tuple[int, ...] | None = None  # its input's shape, which its reply must have
     abandoned: set[int] = field(default_factory=set)  # steps whose late replies we drop
 
     @property
@@ -315,23 +349,28 @@ class ClientInference:
         self._check_session(message.session_id)
         return self._step_reply(message)
 
-    def _step_reply(self, result: StepResult) -> StepDone | LateReply:
+    def _step_reply(self, result: StepResult) -> StepDone | LateReply | Unsolicited:
         if result.step_id == self.owed:
             self.owed = None
             # A server answers in order: replies to steps before this one will never come.
             self.abandoned = {s for s in self.abandoned if s > result.step_id}
+            if self.owed_shape is not None:
+                check_step_output(result.hidden_states, self.owed_shape, result.step_id)
             return StepDone(result)
         if result.step_id in self.abandoned:
             self.abandoned.discard(result.step_id)
             return LateReply(result)
+        if self.request.upstream is not None:
+            return Unsolicited(result)
         raise UnexpectedReply(
             f"a reply to step {result.step_id}, which this client never sent (waiting for "
             f"{self.owed})"
         )
 
-    def sent_step(self, step_id: int) -> None:
-        """A step for this session was sent to its server (or pushed there on our behalf);
-        any earlier step still unanswered is given up on."""
+    def sent_step(self, step_id: int, shape: tuple[int, ...] | None = None) -> None:
+        """A step for this session was sent to its server (or pushed there on our behalf),
+        its input of `shape` (None: its reply's shape is not checked); any earlier step still
+        unanswered is given up on."""
         if self.phase is not Phase.OPEN:
             raise OutOfTurn(f"cannot step a session that is {self.phase.value}")
         if step_id <= self.last_step_id:
@@ -341,7 +380,7 @@ class ClientInference:
             )
         if self.owed is not None:
             self.abandoned.add(self.owed)
-        self.last_step_id, self.owed = step_id, step_id
+        self.last_step_id, self.owed, self.owed_shape = step_id, step_id, shape
 
     def cancelled(self, step_id: int) -> None:
         """We stopped waiting for `step_id`'s reply: it is dropped when it comes."""
@@ -360,6 +399,18 @@ class ClientInference:
                 f"a reply for session {session_id[:12]} on the stream of session "
                 f"{self.session_id[:12]}"
             )
+
+
+def check_step_output(hidden: torch.Tensor, shape: tuple[int, ...], step_id: int) -> None:
+    """BadReply unless `hidden` (a reply to step `step_id`) has `shape`, its input's, and only
+    finite values. The schema already holds it to 3 floating dimensions."""
+    if tuple(hidden.shape) != tuple(shape):
+        raise BadReply(
+            f"the reply to step {step_id} has hidden states of shape {list(hidden.shape)}; the "
+            f"step's input was {list(shape)} and a span's output has its input's shape"
+        )
+    if not bool(torch.isfinite(hidden).all()):
+        raise BadReply(f"the reply to step {step_id} has hidden states that are not finite")
 
 
 # --- training -----------------------------------------------------------------------------------

@@ -63,6 +63,9 @@ DEFAULT_SESSIONS_PER_PEER = 64
 on every hop, so one peer may carry many users (a gateway, a shared daemon); a gateway sizes its
 slots to it."""
 
+MAX_PUSH_TOKEN_LEN = 128
+"""A session's push token: a client draws 32 hex characters (128 random bits)."""
+
 MAX_ERROR_MESSAGE_LEN = 4096
 """An error's text: one or two sentences, or a short traceback summary."""
 
@@ -131,6 +134,9 @@ class NextHop(_Span):
     session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
     start: int = spec(ge=0, lt=MAX_BLOCKS)
     end: int = spec(gt=0, le=MAX_BLOCKS)
+    push_token: str | None = spec(default=None, min_len=1, max_len=MAX_PUSH_TOKEN_LEN)
+    """That session's push token (OpenSession.push_token): the pushing server puts it in the
+    step it pushes there."""
 
 
 @message("info_request")
@@ -171,6 +177,10 @@ class OpenSession(_Span, Message):
     """The peer whose pushed steps this session takes: the hop before this one in the client's
     route. Pushes from any other peer are refused. None: from any peer (clients before this
     field; they are open to push spoofing)."""
+    push_token: str | None = spec(default=None, min_len=1, max_len=MAX_PUSH_TOKEN_LEN)
+    """A secret the client drew for this session: a pushed step must carry it (and come from
+    `upstream`). The client hands it only in the next_hops naming this session. None: pushes
+    need no token (clients before this field)."""
 
     def check(self) -> None:
         super().check()
@@ -199,6 +209,8 @@ class Step(Message):
     """Cache position of the first token; earlier than the cache's length rolls the cache back."""
     next_hops: tuple[NextHop, ...] = spec(default=(), max_items=MAX_HOPS)
     """When set, push the output to next_hops[0] (carrying the rest) instead of replying."""
+    push_token: str | None = spec(default=None, min_len=1, max_len=MAX_PUSH_TOKEN_LEN)
+    """On a pushed step: the receiving session's push token (from the NextHop naming it)."""
 
 
 @message("step_result")

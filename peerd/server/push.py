@@ -2,8 +2,9 @@
 outputs pushed on to the next one.
 
 A push stream carries Step messages only and is never answered: results go to the client on its
-own session stream. Who may push into a session (the `upstream` its client named) and how many
-pushed steps may wait is wire.conversation's ServerInference; a peer breaking those rules gets its
+own session stream. Who may push into a session (the `upstream` its client named, as the push
+stream's Noise handshake proved its peer id, with the session's `push_token`) and how many pushed
+steps may wait is wire.conversation's ServerInference; a peer breaking those rules gets its
 push stream closed, and the session it pushed into is untouched (unless the session's own
 upstream floods it, which ends that session).
 """
@@ -71,6 +72,7 @@ class Pusher:
             step_id=message.step_id,
             hidden_states=output,
             next_hops=message.next_hops[1:],
+            push_token=target.push_token,  # the client gave it to us alone, for this session
         )
         lock = self._locks.setdefault(target.peer_id, trio.Lock())
         try:

@@ -3,13 +3,18 @@ over a libp2p stream or, for this daemon's own server, called in process.
 
 What counts against a server is decided here: a dead or silent stream (PeerGone), bytes that are
 not a valid message or a message out of turn (wire.ProtocolError; the conversation's rules in
-wire.conversation raise it), an Error reply, a dial that fails or times out. Any other exception
-is our own bug and propagates as itself, so it never bans a healthy server.
+wire.conversation raise it, and hold every reply to its step's shape and to finite values), an
+Error reply, a dial that fails or times out. Some faults cannot be pinned on the server that
+shows them (Unattributed): a step pushed into a session ran on what the server before it sent,
+and a reply to a step we never sent may be that server's doing; the session is moved, nobody is
+banned. Any other exception is our own bug and propagates as itself, so it never bans a healthy
+server.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +32,7 @@ from peerd.node.p2p import INFERENCE_PROTOCOL
 from peerd.node.streams import MessageStream, PeerGone
 from peerd.session.local import LocalSteps
 from routing.planner import RouteHop
-from wire.conversation import ClientInference, LateReply, Refused, StepDone
+from wire.conversation import ClientInference, LateReply, Refused, StepDone, Unsolicited
 from wire.peer_protocol import CompressionName
 
 if TYPE_CHECKING:  # the swarm view asks servers for records with the faults named here
@@ -55,8 +60,17 @@ class HopRefused(PeerGone):
     """A live server answered our OpenSession with an error (busy, full, limits)."""
 
 
+class StepRefused(PeerGone):
+    """A server answered a step with an error, ending its session."""
+
+
 class WrongResult(PeerGone):
     """A server's output failed a spot check (peerd.session.verify): it is banned and replaced."""
+
+
+class Unattributed(PeerGone):
+    """A hop's session went wrong in a way that may be another server's doing (a step someone
+    pushed into it): the session is moved elsewhere, its server is not banned."""
 
 
 async def dial(
@@ -125,7 +139,7 @@ class HopSession:
             start_position=start_position,
             next_hops=next_hops,
         )
-        self.conversation.sent_step(step_id)
+        self.conversation.sent_step(step_id, tuple(hidden.shape))
         # Shielded: a cancel half-way through a frame would leave the stream unreadable for
         # the server, which would then end the session as broken.
         with trio.CancelScope(shield=True):
@@ -135,9 +149,10 @@ class HopSession:
             except trio.TooSlowError as e:
                 raise PeerGone(f"{self.peer_id} took no step for {self.timeout:.0f} s") from e
 
-    def expect(self, step_id: int) -> None:
-        """A step pushed to this hop by the previous server: its reply comes on our stream."""
-        self.conversation.sent_step(step_id)
+    def expect(self, step_id: int, shape: tuple[int, ...]) -> None:
+        """A step pushed to this hop by the previous server (its input, like every hop's, of
+        `shape`): its reply comes on our stream."""
+        self.conversation.sent_step(step_id, shape)
 
     async def receive_result(self, step_id: int) -> wire.StepResult:
         """The reply to `step_id`, dropping late replies to steps abandoned before it; a step
@@ -146,12 +161,17 @@ class HopSession:
             while True:
                 event = self.conversation.received(await self.stream.receive(self.timeout))
                 if isinstance(event, Refused):
-                    raise PeerGone(f"{self.peer_id} refused the step: {event.error.message}")
+                    raise StepRefused(f"{self.peer_id} refused the step: {event.error.message}")
                 if isinstance(event, LateReply):
                     log.debug(
                         "dropped %s's late reply to step %d", self.peer_id, event.result.step_id
                     )
                     continue
+                if isinstance(event, Unsolicited):
+                    raise Unattributed(
+                        f"{self.peer_id} answered step {event.result.step_id}, which we never "
+                        f"sent: {self.upstream} pushed it or {self.peer_id} made it up"
+                    )
                 if not isinstance(event, StepDone) or event.result.step_id != step_id:
                     raise wire.ProtocolError(f"{self.peer_id} answered step {step_id} with {event}")
                 return event.result
@@ -160,12 +180,15 @@ class HopSession:
             raise
 
     def as_next_hop(self) -> wire.NextHop:
+        """This hop as the target of a push: with its session's push token, so hand it only to
+        the server named as this hop's upstream (in a push chain starting before it)."""
         return wire.NextHop(
             peer_id=self.peer_id,
             addrs=tuple(self.hop.record.addrs),
             session_id=self.session_id,
             start=self.hop.start,
             end=self.hop.end,
+            push_token=self.conversation.request.push_token,
         )
 
     async def close(self) -> None:
@@ -225,8 +248,9 @@ async def open_hop(
     upstream: str | None = None,
 ) -> Hop:
     """Open a session on the hop's server, its steps numbered from `step_ids`, taking pushed
-    steps from `upstream` alone (the hop before it; None: no server may push into it):
-    HopRefused when the server is alive but says no, PeerGone or ProtocolError when it fails."""
+    steps from `upstream` alone (the hop before it; None: no server may push into it) and only
+    with the session's push token, fresh from the OS's random source: HopRefused when the
+    server is alive but says no, PeerGone or ProtocolError when it fails."""
     request = wire.OpenSession(
         session_id=uuid.uuid4().hex,
         model=options.model,
@@ -239,6 +263,8 @@ async def open_hop(
         wait_timeout=ADMISSION_WAIT_S,
         left_padding=options.left_padding,
         upstream=upstream,
+        # With no upstream, nobody ever gets the token: nobody can push into the session.
+        push_token=secrets.token_hex(16),
     )
     local = swarm.local_server
     if local is not None and hop.peer_id == local.peer_id:

@@ -4,6 +4,11 @@ inputs to rebuild their caches.
 
 The keeper remembers every input sent into each block boundary (`inputs`), so any hop can be
 rebuilt elsewhere; the step runner (peerd.session.steps) tells it what each hop took.
+
+A hop whose failure may be another server's doing (hops.Unattributed: a step pushed into it
+went wrong) is moved without banning anyone, and the session stops pushing: from then on every
+step goes through us, where each hop's output is checked before the next hop sees it, and no
+hop opened since takes pushes.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import time
 import torch
 import trio
 
-from peerd.session.hops import PEER_FAULTS, Hop, HopOptions, HopRefused, open_hop
+from peerd.session.hops import PEER_FAULTS, Hop, HopOptions, HopRefused, Unattributed, open_hop
 from peerd.session.swarm import SwarmView
 from routing.planner import NoRouteError, Route, RouteHop, plan_route
 
@@ -58,6 +63,8 @@ class RouteKeeper:
         # inputs[b]: every hidden state sent into block b so far, concatenated over positions.
         self.inputs: dict[int, torch.Tensor] = {}
         self.failures = 0
+        self.unattributed = 0  # hops moved for faults that may not be their server's
+        self.pushing = True  # False once a pushed step went wrong: relay every step
         self.step_ids = itertools.count()  # one counter for every step of the session
         self._reported: Hop | None = None  # the hop being replaced (already counted as failed)
 
@@ -106,7 +113,12 @@ class RouteKeeper:
         rebuilt from the remembered inputs."""
         failed = self.hops[index]
         started = time.perf_counter()
-        if failed is not self._reported:  # not already counted by a replace cut short
+        if isinstance(error, Unattributed) and failed is not self._reported:
+            self._reported = failed
+            self._move_unblamed(failed, error)
+            with trio.CancelScope(shield=True):
+                await failed.close()
+        elif failed is not self._reported:  # not already counted by a replace cut short
             self._reported = failed
             self.failures += 1
             log.warning(
@@ -122,7 +134,7 @@ class RouteKeeper:
                 await failed.close()
         start, end = failed.hop.start, failed.hop.end
         history = self.inputs.get(start)
-        upstream = self.hops[index - 1].peer_id if index > 0 else None
+        upstream = self.hops[index - 1].peer_id if index > 0 and self.pushing else None
         new_hops = await self._open_and_replay(start, end, history, upstream)
         self.hops[index : index + 1] = new_hops
         self._reported = None
@@ -156,6 +168,26 @@ class RouteKeeper:
                 # A replacement died while rebuilding its cache (_replay banned it): try others.
                 self.failures += 1
                 self._check_retries(e)
+
+    def _move_unblamed(self, failed: Hop, error: Unattributed) -> None:
+        """Count a hop moved for a fault nobody can be blamed for and stop pushing; give up
+        once more such moves happened than max_retries allows."""
+        self.unattributed += 1
+        self.pushing = False
+        log.warning(
+            "session on %s (blocks %d:%d) went wrong, maybe by another server's doing (%s); "
+            "moving it without blaming anyone and relaying every step from now on",
+            failed.peer_id,
+            failed.hop.start,
+            failed.hop.end,
+            error,
+        )
+        if self.unattributed > self.max_retries:
+            raise InferenceFailed(
+                f"{self.unattributed} hop(s) of this session went wrong with no server to "
+                f"blame, more than max_retries={self.max_retries} allows; giving up (last: "
+                f"{error}). Retry, or route around the servers named"
+            ) from error
 
     def _check_retries(self, error: Exception) -> None:
         """Give up once more servers failed than max_retries allows replacing."""
@@ -201,6 +233,7 @@ class RouteKeeper:
             try:
                 for hop in route:
                     previous = opened[-1].peer_id if opened else upstream
+                    previous = previous if self.pushing else None
                     opened.append(await self.open_hop(hop, previous))
                 return opened
             except PEER_FAULTS as e:

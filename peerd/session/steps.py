@@ -3,7 +3,11 @@ forwards its output to the next and answers us too) or relay it hop by hop ourse
 every hop's output, then hand the step's output to the hooks (spot checks) that may change it.
 
 A hop that fails mid-step is handed to the route keeper to replace, and the step goes on from
-that hop on the replacement.
+that hop on the replacement. Every reply is held to its step's input shape and to finite values
+(wire.conversation.ClientInference) before it is used. A hop that a push reached ran on what
+the server before it sent, which we never saw: when it fails in a way that bad input could
+cause (an error reply, a wrong reply, silence), it is not blamed (hops.Unattributed); only a
+hop that fails on a step we sent it ourselves is.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
-from peerd.session.hops import PEER_FAULTS, HopSession
+import wire
+from peerd.node.streams import Idle
+from peerd.session.hops import PEER_FAULTS, HopSession, StepRefused, Unattributed
 from peerd.session.route import RouteKeeper
 from routing.planner import RouteHop
 from wire.peer_protocol import CompressionName
@@ -41,7 +47,8 @@ class StepRunner:
         hops = self.route.hops
         i = 0
         remote = all(isinstance(hop, HopSession) for hop in hops)
-        if self.push and rewind is None and remote and len(hops) > 1:
+        pushing = self.push and self.route.pushing
+        if pushing and rewind is None and remote and len(hops) > 1:
             i, hidden = await self._push_step(hidden)
             if i < len(hops):
                 # The chain broke. A server past the break may still have got the push (its
@@ -88,7 +95,8 @@ class StepRunner:
         step_id = next(self.route.step_ids)
         chain = tuple(hop.as_next_hop() for hop in hops[1:])
         for hop in hops[1:]:
-            hop.expect(step_id)  # their replies to the pushed step come on their streams
+            # Their replies to the pushed step come on their streams, shaped as its input.
+            hop.expect(step_id, tuple(hidden.shape))
         sent = time.perf_counter()
         try:
             await hops[0].send_step(hidden, self.codec, step_id, next_hops=chain)
@@ -97,7 +105,8 @@ class StepRunner:
         for i, hop in enumerate(hops):
             try:
                 result = await hop.receive_result(step_id)
-            except PEER_FAULTS:
+            except PEER_FAULTS as e:
+                await self.route.replace(i, _pushed_fault(e) if i > 0 else e)
                 return i, hidden
             self.route.remember(hop.hop.start, hidden)
             self.route.swarm.report_success(hop.peer_id)
@@ -107,6 +116,20 @@ class StepRunner:
             if result.push_failed and i + 1 < len(hops):
                 return i + 1, hidden
         return len(hops), hidden
+
+
+def _pushed_fault(error: Exception) -> Exception:
+    """A fault of a hop that got the step pushed by the server before it: one that input from
+    that server could cause is Unattributed (a refusal of the step, a reply that breaks the
+    conversation or is wrong, silence: the push may never have come); the stream's end or
+    bytes that are no message are the hop's own."""
+    if isinstance(error, Unattributed | StepRefused | Idle | wire.ConversationError):
+        if isinstance(error, Unattributed):
+            return error
+        unattributed = Unattributed(f"{error} (on a step pushed to it)")
+        unattributed.__cause__ = error
+        return unattributed
+    return error
 
 
 def _record_step(route: RouteKeeper, hop: RouteHop, hidden: torch.Tensor, sent: float) -> None:
