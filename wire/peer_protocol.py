@@ -313,6 +313,9 @@ class ErrorCode(enum.StrEnum):
     CANCELLED = "cancelled"
     INTERNAL = "internal"  # a bug on the answering side
     ADAPTER_NOT_FOUND = "adapter_not_found"  # no server (or not this one) has the adapter named
+    # The server took back an idle or long-held session's cache for a request waiting for it:
+    # not a fault; reopen the session (here or elsewhere) and replay its inputs.
+    LEASE_EXPIRED = "lease_expired"
     # Local API (daemon <-> its programs) and the client library.
     NO_ROUTE = "no_route"  # no chain of servers covers the model's blocks now
     INFERENCE_FAILED = "inference_failed"  # every route tried for a step failed

@@ -26,7 +26,15 @@ from peerd import __version__
 from peerd.node.p2p import Node
 from peerd.node.streams import ByteStream, MessageStream
 from peerd.server import boundary, training
-from peerd.server.admission import AdapterMissing, Admission
+from peerd.server.admission import (
+    LEASE_IDLE_S,
+    LEASE_TERM_S,
+    MAX_CACHE_SHARE,
+    MAX_TRAINING_INFLIGHT,
+    MAX_TRAINING_PER_PEER,
+    AdapterMissing,
+    Admission,
+)
 from peerd.server.batching import StepBatcher
 from peerd.server.boundary import OPEN_TIMEOUT_S, stream_boundary
 from peerd.server.compute import ComputeQueue
@@ -68,6 +76,15 @@ class ServerLimits:
     # Bytes of steps one peer may have queued or computing here at once: one peer's prefills
     # must not fill the compute queue for everyone (one step alone is always taken).
     max_inflight_bytes_per_peer: int = 256 << 20
+    # Cache leases (peerd.server.admission): when a request waits for cache, a session that
+    # sent no step for lease_idle_s, or has held its tokens for lease_term_s, is ended for it.
+    lease_idle_s: float = LEASE_IDLE_S
+    lease_term_s: float = LEASE_TERM_S
+    # The share of the cache the sessions of one peer may hold or wait for.
+    max_cache_share: float = MAX_CACHE_SHARE
+    # Training requests queued or running: per peer, and of all peers together.
+    max_training_per_peer: int = MAX_TRAINING_PER_PEER
+    max_training_inflight: int = MAX_TRAINING_INFLIGHT
 
 
 @dataclass
@@ -77,6 +94,7 @@ class ServerCounters:
     steps: int = 0
     tokens_processed: int = 0
     training_passes: int = 0  # forward and backward requests run
+    training_slices: int = 0  # compute jobs of those (one block over a group of rows each)
     errors: dict[str, int] = field(default_factory=dict)
 
     def error(self, code: str) -> None:
@@ -122,7 +140,13 @@ class BlockServer:
         self.admission = Admission(
             max_sessions_per_peer=self.limits.max_sessions_per_peer,
             max_inflight_bytes_per_peer=self.limits.max_inflight_bytes_per_peer,
+            lease_idle_s=self.limits.lease_idle_s,
+            lease_term_s=self.limits.lease_term_s,
+            max_cache_share=self.limits.max_cache_share,
+            max_training_per_peer=self.limits.max_training_per_peer,
+            max_training_inflight=self.limits.max_training_inflight,
         )
+        self.training_pace = training.TrainingPace()  # how fast training slices run here
         self._subspans: dict[tuple[int, int], Span] = {}
         self.node = node
         self.sessions = InferenceHandler(self, Pusher(node, self.limits.max_frame_size))

@@ -18,7 +18,7 @@ import trio
 import wire
 from blocks import SpanSession
 from peerd.node.streams import Idle, MessageStream, PeerGone
-from peerd.server.admission import AdapterMissing, Refused
+from peerd.server.admission import AdapterMissing, Lease, Refused
 from peerd.server.boundary import OPEN_TIMEOUT_S, SESSION_IDLE_TIMEOUT_S, stream_boundary
 from peerd.server.push import Pusher
 from wire.conversation import (
@@ -44,8 +44,8 @@ class LiveSession:
     session: SpanSession
     messages: MessageStream  # the client's session stream: every result goes there
     scope: trio.CancelScope
+    lease: Lease  # its hold on the cache; the last step of either kind renews it
     lock: trio.Lock = field(default_factory=trio.Lock)  # one step at a time, from either side
-    last_active: float = field(default_factory=trio.current_time)
     failure: Refused | None = None
     # Steps pushed by the previous server, in order; the session's own task runs them, so
     # pushed steps of different sessions run concurrently (and merge into one forward). The
@@ -111,32 +111,39 @@ class InferenceHandler:
             await self.server.refuse(messages, wire.ErrorCode.ADAPTER_NOT_FOUND, str(e))
             return
         assert self.server.cache is not None  # check_open refuses sessions until online
-        with self.server.admission.session_slot(messages.remote_peer):
-            session = await self.server.admission.open_session(
+        admission = self.server.admission
+        peer = messages.remote_peer
+        with admission.session_slot(peer):
+            session = await admission.open_session(
                 self.server.cache,
                 request.batch_size,
                 request.max_length,
                 request.wait_timeout,
                 request.left_padding or None,
+                peer=peer,
             )
-            self.server.counters.sessions_opened += 1
-            await self._serve(LiveSession(conv, session, messages, trio.CancelScope()))
+            # No await before the lease: a request waiting for cache must see it.
+            with admission.lease(peer, session.tokens) as lease, session:
+                self.server.counters.sessions_opened += 1
+                live = LiveSession(conv, session, messages, trio.CancelScope(), lease)
+                lease.evict = live.fail
+                await self._serve(live)
 
     async def _serve(self, live: LiveSession) -> None:
-        """Hold the session open (its cache, its id for pushes) while its steps run."""
+        """Hold the session open (its cache, its id for pushes) while its steps run; the caller
+        frees its cache."""
         session_id = live.request.session_id
         try:
-            with live.session, live.scope:
+            with live.scope:
                 self.scopes.add(live.scope)
                 self.live[session_id] = live
                 await live.messages.send(live.conv.opened(live.request.max_length))
                 await self._run_both_lanes(live)
-            if live.failure is not None:  # a pushed step broke the session
+            if live.failure is not None:  # a pushed step broke the session, or its lease lapsed
                 raise live.failure
         finally:
             self.live.pop(session_id, None)
             self.scopes.discard(live.scope)
-            self.server.admission.cache_freed()
 
     async def _run_both_lanes(self, live: LiveSession) -> None:
         """The client's own steps and the pushed ones, until the client closes; an error of
@@ -160,7 +167,7 @@ class InferenceHandler:
             try:
                 message = await live.messages.receive(SESSION_IDLE_TIMEOUT_S)
             except Idle:
-                if trio.current_time() - live.last_active < SESSION_IDLE_TIMEOUT_S:
+                if live.lease.idle_s(trio.current_time()) < SESSION_IDLE_TIMEOUT_S:
                     continue
                 raise
             event = live.conv.receive(message)
@@ -189,9 +196,11 @@ class InferenceHandler:
         compression = live.request.reply_compression
         peer = live.messages.remote_peer
         hidden = message.hidden_states
-        with self.server.admission.inflight(peer, hidden.numel() * hidden.element_size()):
+        with (
+            self.server.admission.inflight(peer, hidden.numel() * hidden.element_size()),
+            live.lease.step(),
+        ):
             async with live.lock:
-                live.last_active = trio.current_time()
                 output = await self.server.run_step(
                     live.conv, live.session, message, owner=peer, pushed=pushed
                 )
