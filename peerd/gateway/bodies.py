@@ -11,7 +11,7 @@ from urllib.parse import parse_qsl
 import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.datastructures import UploadFile
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
@@ -48,10 +48,13 @@ async def read_body(request: Request) -> bytes:
         except ValueError:
             raise GatewayError(400, "invalid_request", "bad Content-Length header") from None
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise too_large("the request body")
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                raise too_large("the request body")
+    except ClientDisconnect:  # it went away before sending the whole body: nobody to answer
+        raise ClientGone() from None
     return bytes(body)
 
 
@@ -60,6 +63,8 @@ def parse_json_object(data: bytes | str, what: str = "the request body") -> dict
         value = json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
         raise GatewayError(400, "invalid_json", f"{what} is not valid JSON: {e}") from None
+    except RecursionError:  # [[[[...: Python's parser recurses once per level
+        raise GatewayError(400, "invalid_json", f"{what} nests too deep") from None
     if not isinstance(value, dict):
         raise GatewayError(400, "invalid_json", f"{what} must be a JSON object")
     return value
@@ -140,6 +145,7 @@ def validation_error(error: ValidationError) -> GatewayError:
 async def until_disconnected(request: Request, work: Callable[[], Awaitable[T]]) -> T:
     """`await work()`, cancelled (ClientGone) if the HTTP client disconnects first."""
     outcome: list[T] = []
+    failure: list[Exception] = []
     async with anyio.create_task_group() as group:
 
         async def watch() -> None:
@@ -148,8 +154,13 @@ async def until_disconnected(request: Request, work: Callable[[], Awaitable[T]])
             group.cancel_scope.cancel()
 
         group.start_soon(watch)
-        outcome.append(await work())
+        try:
+            outcome.append(await work())
+        except Exception as e:  # raised below, as itself: a task group would wrap it in a group
+            failure.append(e)
         group.cancel_scope.cancel()
+    if failure:
+        raise failure[0]
     if not outcome:
         raise ClientGone()
     return outcome[0]

@@ -17,23 +17,26 @@ localhost" protects nothing by itself. Three attacks, three checks:
   cannot set headers, as the subprotocol `peerd.key.KEY` beside `peerd`. The pages themselves
   (/, /swarm, /static) need no key; the page asks the user for it.
 
-Refusals are 403 (host, origin) and 401 (key), as JSON in the shape of the API called.
+Refusals are 403 (host, origin) and 401 (key), as JSON in the shape of the API called; a refused
+WebSocket handshake gets a bare 403, and the reason goes to the log.
 """
 
 from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from peerd.gateway.link import GatewayError
+
+log = logging.getLogger(__name__)
 
 KEY_PROTOCOL_PREFIX = "peerd.key."
 """A WebSocket subprotocol that carries the API key (browsers cannot set Authorization there)."""
@@ -162,7 +165,8 @@ class Exposure:
             return True
         if origin == "null" or host is None:
             return False  # sandboxed frames, data: URLs, file: pages
-        return urlsplit(origin).netloc == host.strip().lower()
+        scheme, separator, netloc = origin.partition("://")
+        return bool(separator) and scheme in ("http", "https") and netloc == host.strip().lower()
 
     def key_given(self, headers: Headers, subprotocols: Iterable[str]) -> bool:
         if self.api_key is None:
@@ -215,7 +219,7 @@ class Exposure:
 
 class Guard:
     """ASGI middleware: requests and sockets that `exposure` refuses get their refusal, rendered
-    by `render` (HTTP) or as a denied handshake (WebSocket); the rest reach `app`."""
+    by `render` (HTTP) or as a refused handshake (WebSocket); the rest reach `app`."""
 
     def __init__(self, app: ASGIApp, exposure: Exposure, render: Render) -> None:
         self.app = app
@@ -230,10 +234,13 @@ class Guard:
         if refusal is None:
             await self.app(scope, receive, send)
             return
+        if scope["type"] == "websocket":
+            # A bare 403 to the handshake: uvicorn logs an error after a denial with a body
+            # (websocket.http.response), so the reason goes to our log instead.
+            log.info("refused a WebSocket to %s: %s", scope.get("path"), refusal)
+            await send({"type": "websocket.close", "code": 1008, "reason": refusal.code})
+            return
         response = self.render(scope.get("path", ""), refusal)
         if refusal.status == 401:
             response.headers["WWW-Authenticate"] = 'Bearer realm="peerd gateway"'
-        if scope["type"] == "http" or "websocket.http.response" in scope.get("extensions", {}):
-            await response(scope, receive, send)  # Starlette sends it as a handshake's denial
-        else:
-            await send({"type": "websocket.close", "code": 1008, "reason": refusal.code})
+        await response(scope, receive, send)
