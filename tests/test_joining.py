@@ -5,6 +5,7 @@ out, and `peerd status` counts the blocks nobody serves at the end of the model.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from peerd.node.addresses import BadAnnounceAddr, announced_addrs, check_announc
 from peerd.node.p2p import JOINED_PROTOCOL, LEAVING_PROTOCOL, open_node
 from peerd.sdk.terminal import format_status
 from peerd.session.swarm import SwarmView
-from routing.records import ServerRecord, record_to_info
+from routing.records import ServerRecord, info_to_record, record_to_info
 from tests.memnet import TINY_BLOCKS, TINY_MODEL, open_memnet, save_tiny_llama
 
 IPS = {4: ["198.51.100.7", "10.0.0.5"], 6: ["2001:db8::7"]}
@@ -160,3 +161,26 @@ def _record(peer_id: str, start: int, end: int) -> ServerRecord:
         version="0.1.0",
         addrs=(f"/ip4/198.51.100.8/tcp/4100/p2p/{peer_id}",),
     )
+
+
+@pytest.mark.parametrize("name", ["\x1b[2J\x1b[31mpwned", "a\nb", "\u202eevil", "x" * 65])
+def test_a_public_name_from_the_wire_is_short_printable_text(name: str) -> None:
+    good = record_to_info(_record("12D3KooWfirst", 0, 20)).to_dict()
+    assert info_to_record(wire.ServerInfo.from_dict({**good, "public_name": "attic GPU"}))
+    with pytest.raises((ValueError, wire.MalformedMessage)):
+        info_to_record(wire.ServerInfo.from_dict({**good, "public_name": name}))
+
+
+def test_the_public_name_is_shown_in_status_and_on_the_swarm_page() -> None:
+    from peerd.gateway.monitor import swarm_report
+    from routing.records import SwarmSnapshot
+
+    record = dataclasses.replace(_record("12D3KooWfirst", 0, 30), public_name="<b>attic</b> GPU")
+    info = record_to_info(record)
+    status = wire.StatusResponse(
+        peer_id="12D3KooWme", version="0.1.0", uptime_s=5.0, swarm=(info,), num_blocks=30
+    )
+    assert "...12D3KooWfirst (<b>attic</b> GPU): /ip4/" in format_status(status)
+    report = swarm_report(status, SwarmSnapshot.from_records("smollm2", 30, [record]), 2.0)
+    # As text: the page puts it in with textContent (peerd/gateway/static/swarm.js), never HTML.
+    assert report["models"][0]["servers"][0]["public_name"] == "<b>attic</b> GPU"

@@ -46,10 +46,10 @@ def lan() -> Iterator[list[Host]]:
         yield [topo.add_public(f"lan{i}") for i in range(len(SPANS))]
 
 
-def _daemon(workdir: Path, host: Host, blocks: str, join: list[str]) -> DaemonProcess:
+def _daemon(workdir: Path, host: Host, blocks: str, join: list[str], *extra: str) -> DaemonProcess:
     """A daemon on `host` listening on every interface (no --host-maddrs), at the production
     refresh period (no --refresh-period)."""
-    args = [*join, "--blocks", blocks, "--throughput", "20", "--torch-threads", "1"]
+    args = [*join, "--blocks", blocks, "--throughput", "20", "--torch-threads", "1", *extra]
     return DaemonProcess(
         name=host.name,
         args=args,
@@ -106,7 +106,10 @@ def test_a_lan_joins_by_the_banners_command_and_sees_joins_and_leaves_at_once(
         assert join[:2] == ["--initial-peers", daemons[0].maddr], daemons[0].output
         assert f"/ip4/{lan[0].ip}/tcp/" in join[1]
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            started = [pool.submit(_daemon, workdir, lan[i], SPANS[i], join) for i in (1, 2)]
+            started = [
+                pool.submit(_daemon, workdir, lan[1], SPANS[1], join, "--public-name", "attic GPU"),
+                pool.submit(_daemon, workdir, lan[2], SPANS[2], join),
+            ]
             daemons += [f.result() for f in started]
         newcomer = _daemon(workdir, lan[3], SPANS[3], join)
         banner_at = time.monotonic()
@@ -135,6 +138,7 @@ def test_a_lan_joins_by_the_banners_command_and_sees_joins_and_leaves_at_once(
                 dialable = rf"/ip4/{re.escape(where.ip)}/tcp/\d+/p2p/{daemon.peer_id}"
                 assert re.search(dialable, text), (host.name, daemon.name, text)
             assert "0.0.0.0" not in text and "every block is served" in text, text
+            assert host is lan[1] or "(attic GPU)" in text, text
 
         newcomer.process.send_signal(15)  # type: ignore[union-attr]
         gone_after = [

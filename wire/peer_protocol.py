@@ -46,6 +46,10 @@ MAX_ADAPTERS = 64
 MAX_ADAPTER_NAME_LEN = 256
 """An adapter's name (its directory's name)."""
 
+MAX_PUBLIC_NAME_LEN = 64
+"""A server's public name (`peerd start --public-name`): a short label people read in status pages;
+printable text only (it ends up in terminals and web pages)."""
+
 MAX_BLOCKS = 4096
 """Upper bound on a block index; the deepest open models have ~130 transformer blocks."""
 
@@ -123,6 +127,14 @@ class ServerInfo(_Span):
     swarm: str = spec(default="", max_len=MAX_MODEL_LEN)
     """The private swarm's name (`peerd start --swarm`); "" for the public swarm. Peers of other
     swarms can still meet (mDNS, shared DHT nodes): a record of another swarm is never used."""
+    public_name: str = spec(default="", max_len=MAX_PUBLIC_NAME_LEN)
+    """What the server's operator calls it (`peerd start --public-name`, as Petals' public_name):
+    shown by `peerd status` and the gateway's /swarm page; "" if none."""
+
+    def check(self) -> None:
+        super().check()
+        if not self.public_name.isprintable():
+            raise ValueError("public_name must be printable text (no control characters)")
 
 
 @record

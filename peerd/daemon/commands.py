@@ -79,6 +79,9 @@ ANNOUNCE_MADDRS = typer.Option(
 PUBLIC_IP = typer.Option(
     None, "--public-ip", help="Our public IP (port forwarding, cloud): announced first."
 )
+PUBLIC_NAME = typer.Option(
+    "", "--public-name", help="A name for this server in status pages (Petals' public_name)."
+)
 REACHABILITY = typer.Option(
     "auto", help="auto (peers dial us back: AutoNAT), public, or private (behind NAT: use relays)."
 )
@@ -111,6 +114,7 @@ def start(
     reachability: str = REACHABILITY,
     announce_maddrs: list[str] = ANNOUNCE_MADDRS,
     public_ip: str | None = PUBLIC_IP,
+    public_name: str = PUBLIC_NAME,
 ) -> None:
     """Serve blocks of a model to the swarm and route generations for local clients."""
     from peerd.daemon.main import DaemonError, configure_logging, run
@@ -151,12 +155,24 @@ def _daemon_config(flags: dict[str, Any]) -> DaemonConfig:
     except BadAnnounceAddr as e:
         hint = "--public-ip" if "--public-ip" in str(e) else "--announce-maddrs"
         raise typer.BadParameter(str(e).split(": ", 1)[1], param_hint=hint) from None
+    _check_public_name(flags["public_name"])
     del flags["log_level"]  # the process's, not the daemon's
     if flags["blocks"] == "none":
         flags["blocks"] = None  # serve nothing: a pure client of the swarm
     for many in ("initial_peers", "host_maddrs", "adapters", "announce_maddrs"):
         flags[many] = list(flags[many])
     return DaemonConfig(**flags)
+
+
+def _check_public_name(name: str) -> None:
+    from wire.peer_protocol import MAX_PUBLIC_NAME_LEN
+
+    if len(name) > MAX_PUBLIC_NAME_LEN or not name.isprintable():
+        raise typer.BadParameter(
+            f"{name!r}: give at most {MAX_PUBLIC_NAME_LEN} printable characters (it is "
+            "shown to everyone in status pages)",
+            param_hint="--public-name",
+        )
 
 
 @service_app.command("install", context_settings={"allow_interspersed_args": False})

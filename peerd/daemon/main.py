@@ -90,6 +90,7 @@ class DaemonConfig:
     # What peers are told to dial (peerd.node.addresses): replaces our addresses / goes first.
     announce_maddrs: list[str] = field(default_factory=list)
     public_ip: str | None = None
+    public_name: str = ""  # what our record calls us in status pages
 
     def listen_addrs(self) -> list[str]:
         return self.host_maddrs or [f"/ip4/0.0.0.0/tcp/{self.port}"]
@@ -302,6 +303,7 @@ class Daemon:
             adapters=tuple(a.name for a in self.adapters),
             batching=config.batching,
             swarm_name=config.swarm_name,
+            public_name=config.public_name,
         )
         self.server = server
         self.swarm.local_server = server

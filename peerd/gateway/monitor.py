@@ -50,6 +50,7 @@ def swarm_report(
             "rtt_ms": round(rtts[r.peer_id] * 1000, 2) if rtts.get(r.peer_id, -1) >= 0 else None,
             "free_cache_tokens": r.free_cache_tokens,
             "version": r.version,
+            "public_name": r.public_name,
             "is_this_daemon": r.peer_id == status.peer_id,
         }
         for r in sorted(snapshot.records, key=lambda r: (r.start, r.end, r.peer_id))

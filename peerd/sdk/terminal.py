@@ -168,7 +168,8 @@ def _addresses(status: wire.StatusResponse) -> list[str]:
         lines.append(f"  this daemon: {' '.join(status.addrs)}")
     for info in sorted(status.swarm, key=lambda i: i.start):
         if info.peer_id != status.peer_id:
-            lines.append(f"  ...{info.peer_id[-16:]}: {' '.join(info.addrs) or '-'}")
+            name = f" ({info.public_name})" if info.public_name else ""
+            lines.append(f"  ...{info.peer_id[-16:]}{name}: {' '.join(info.addrs) or '-'}")
     return lines
 
 

@@ -119,9 +119,11 @@ class BlockServer:
         adapters: tuple[str, ...] = (),
         batching: bool = True,
         swarm_name: str = "",
+        public_name: str = "",
     ) -> None:
         self.model = model
         self.swarm_name = swarm_name
+        self.public_name = public_name
         self.adapters = adapters  # LoRA adapters the span is loaded with (named in the record)
         self._start, self._end = start, end
         self.compute = compute
@@ -193,6 +195,7 @@ class BlockServer:
             max_inflight_bytes_per_peer=self.limits.max_inflight_bytes_per_peer,
             queued_sessions=self.admission.queued,
             swarm=self.swarm_name,
+            public_name=self.public_name,
             updated_at=now,
             expires_at=now + self.record_ttl,
         )

@@ -67,7 +67,8 @@ function serverTable(model) {
   for (const s of model.servers) {
     const link = s.relayed ? "relayed" : "direct";
     body.append(el("tr", {"data-peer": s.peer_id},
-      el("td", {title: s.peer_id, text: s.peer_id + (s.is_this_daemon ? " (this daemon)" : "")}),
+      el("td", {title: s.peer_id, text: (s.public_name ? `${s.public_name}: ` : "") + s.peer_id +
+        (s.is_this_daemon ? " (this daemon)" : "")}),
       el("td", {text: `${s.start}:${s.end}`}),
       el("td", {text: s.state}),
       el("td", {class: "num", text: s.throughput.toFixed(1)}),
