@@ -194,9 +194,8 @@ def plan_route(
     when that is given, or whose record expired by `now`. In inference mode a server also needs
     `min_free_cache_tokens` of free cache and must open sessions of `session_length` tokens (when
     its record announces a max_session_length). With `adapter`, only servers whose record lists
-    that adapter are used. `rng` drives training mode's random choice. Throughputs are the
-    credible ones (routing.speeds), bounded by `measured`: per peer, the seconds one token spent
-    in one of its blocks as the caller timed it (a `StepSpeeds`).
+    that adapter are used. `rng` drives training mode's random choice. Throughputs are believed
+    only as far as routing.speeds allows, with `measured` (a `StepSpeeds`) as the caller timed.
 
     Raises NoRouteError when some block has no usable server, ValueError on bad arguments.
     """
