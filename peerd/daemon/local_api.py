@@ -31,6 +31,7 @@ import wire
 from peerd import __version__
 from peerd.daemon.api_connection import ApiConnection, sole_cause
 from peerd.daemon.api_session import ApiError
+from peerd.paths import UnsafeDirectory, check_socket_dir
 from peerd.session.generation import Generator
 from routing.records import record_to_info
 
@@ -102,13 +103,20 @@ class LocalApi:
 
 
 async def _bind(path: Path) -> trio.SocketListener:
-    """A listening socket at `path` that only its owner may talk to, replacing a stale one."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if path.exists():
+    """A listening socket at `path` that only its owner may talk to, replacing a stale one, in
+    a directory nobody else can write in (peerd.paths; UnsafeDirectory says how to fix one)."""
+    check_socket_dir(path.parent)
+    if os.path.lexists(path):
         if _socket_in_use(path):
             raise OSError(
                 f"another peerd daemon is listening on {path}; stop it or give this one "
                 "another --socket"
+            )
+        owner = os.lstat(path).st_uid
+        if owner != os.getuid():
+            raise UnsafeDirectory(
+                f"{path} belongs to user id {owner}, not to you: remove it (as that user or "
+                "root) or give this daemon another --socket"
             )
         path.unlink()
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
