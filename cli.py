@@ -44,11 +44,12 @@ app.command()(start)  # `peerd start`: its flags and their checks live beside th
 def _client(socket: Path | None, **routing: Any) -> Iterator[Any]:
     """A connection to the local daemon (with Client's routing controls); what the daemon
     refuses becomes a message and exit 1, no daemon at all or bad routing controls exit 2."""
+    from peerd.paths import UnsafeDirectory
     from peerd.sdk.client import BadRouteOptions, Client, DaemonNotRunning, PeerdError
 
     try:
         client = Client(socket, **routing)
-    except (DaemonNotRunning, BadRouteOptions) as e:
+    except (DaemonNotRunning, BadRouteOptions, UnsafeDirectory) as e:
         typer.echo(f"peerd: {e}", err=True)
         raise typer.Exit(2) from None
     with client:
