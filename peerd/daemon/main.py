@@ -19,8 +19,9 @@ import trio
 import blocks
 import wire
 from peerd import __version__
+from peerd.daemon.api_connection import sole_cause
 from peerd.daemon.local_api import LocalApi, build_status
-from peerd.node.identity import load_or_create_identity
+from peerd.daemon.startup import EXPECTED_FAILURES, claim_machine
 from peerd.node.p2p import (
     INFERENCE_PROTOCOL,
     INFO_PROTOCOL,
@@ -33,7 +34,7 @@ from peerd.node.p2p import (
     parse_peer_maddr,
     set_provider_record_ttl,
 )
-from peerd.paths import default_socket_path, state_dir
+from peerd.paths import default_socket_path
 from peerd.server.block_server import BlockServer, ServerLimits
 from peerd.server.compute import ComputeQueue
 from peerd.session.generation import Generator
@@ -41,6 +42,7 @@ from peerd.session.swarm import SwarmView
 from routing.block_selection import better_span, blocks_that_fit, choose_blocks, recheck_delay
 
 if TYPE_CHECKING:
+    from libp2p.crypto.keys import KeyPair
     from transformers import PretrainedConfig
 
 log = logging.getLogger(__name__)
@@ -94,6 +96,9 @@ class DaemonConfig:
 
     def listen_addrs(self) -> list[str]:
         return self.host_maddrs or [f"/ip4/0.0.0.0/tcp/{self.port}"]
+
+    def socket_path(self) -> Path:
+        return self.socket or default_socket_path()
 
 
 def parse_blocks(text: str, num_blocks: int) -> tuple[str, int | None, int | None]:
@@ -161,8 +166,9 @@ def _cache_bytes_per_block(model_config: PretrainedConfig, cache_tokens: int) ->
 
 
 class Daemon:
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, key_pair: KeyPair) -> None:
         self.config = config
+        self.key_pair = key_pair  # held by run() (peerd.daemon.startup)
         self.checkpoint = blocks.resolve_checkpoint(config.model)
         self.model = blocks.model_name(self.checkpoint)
         self.model_config = blocks.load_config(self.checkpoint)
@@ -203,12 +209,10 @@ class Daemon:
         config = self.config
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
-        identity_path = config.identity or _default_identity_path()
-        key_pair = load_or_create_identity(identity_path)
         # Our records are re-provided every period; keep them a few periods, not 48 h.
         set_provider_record_ttl(3 * config.refresh_period)
         async with open_node(
-            key_pair,
+            self.key_pair,
             config.listen_addrs(),
             mdns=config.mdns,
             announce=config.announce_maddrs,
@@ -370,7 +374,7 @@ class Daemon:
         assert self.node is not None
         peer_id = self.node.peer_id.to_string()
         return LocalApi(
-            socket_path=self.config.socket or default_socket_path(),
+            socket_path=self.config.socket_path(),
             get_generator=self.generator,
             status=lambda: build_status(
                 peer_id=peer_id, started_at=self.started_at, server=self.server, swarm=self.swarm
@@ -434,10 +438,6 @@ class Daemon:
                 await trio.sleep(0.05)
 
 
-def _default_identity_path() -> Path:
-    return state_dir() / "identity.key"
-
-
 def join_command(config: DaemonConfig, maddrs: list[str]) -> str:
     """The banner's line with the command another machine joins this swarm with: through our
     best address (peerd.node.addresses puts it first), with our model and swarm name."""
@@ -481,5 +481,18 @@ def configure_logging(level: str) -> None:
 
 
 def run(config: DaemonConfig) -> None:
-    daemon = Daemon(config)
-    trio.run(daemon.run)
+    """Run a daemon until SIGINT/SIGTERM, after the checks that need no model: a clash is
+    refused before the weights load. An expected failure (peerd.daemon.startup), however deep in
+    the daemon's nurseries, becomes one DaemonError: a line for the user, not a traceback."""
+    try:
+        with claim_machine(
+            config.socket_path(), config.identity, config.initial_peers, config.listen_addrs()
+        ) as held:
+            trio.run(Daemon(config, held.key_pair).run)
+    except BaseException as e:
+        cause = sole_cause(e)
+        if isinstance(cause, (DaemonError, *EXPECTED_FAILURES)):
+            raise DaemonError(str(cause)) from None
+        if isinstance(cause, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        raise

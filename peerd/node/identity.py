@@ -1,20 +1,31 @@
-"""A daemon's persistent ed25519 identity: a 32-byte seed in a 0600 file."""
+"""A daemon's persistent ed25519 identity: a 32-byte seed in a 0600 file, locked while a daemon
+uses it."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import logging
 import os
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
+log = logging.getLogger(__name__)
+
 SEED_BYTES = 32
 
 
 class IdentityError(Exception):
     """The identity file exists but cannot be used."""
+
+
+class IdentityInUse(IdentityError):
+    """Another process on this machine holds the identity file's lock."""
 
 
 def load_or_create_identity(path: Path) -> KeyPair:
@@ -49,3 +60,49 @@ def load_or_create_identity(path: Path) -> KeyPair:
 
 def peer_id_of(key_pair: KeyPair) -> ID:
     return ID.from_pubkey(key_pair.public_key)
+
+
+@dataclass
+class HeldIdentity:
+    """An identity this process holds the lock of, until release() or its exit."""
+
+    path: Path
+    key_pair: KeyPair
+    _fd: int | None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the file drops its lock
+            self._fd = None
+
+    def __enter__(self) -> HeldIdentity:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def hold_identity(path: Path) -> HeldIdentity:
+    """load_or_create_identity, with an exclusive lock on the file for as long as this process
+    runs (the kernel drops it when the process dies, even by kill -9): two daemons on one
+    identity would be one peer id to the swarm, and each would be routed the other's blocks.
+
+    Raises IdentityInUse when another process holds it. Where the file system has no locks
+    (some network mounts) the identity is used unlocked, with a warning.
+    """
+    load_or_create_identity(path)  # create it first: the lock is on the file itself
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise IdentityInUse(f"identity {path} is in use by another process") from None
+    except OSError as e:
+        if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+            os.close(fd)
+            raise
+        log.warning(
+            "cannot lock identity %s (%s): a second daemon on it would not be refused", path, e
+        )
+    # Read it again under the lock: what this daemon announces is what the file now holds.
+    return HeldIdentity(path, load_or_create_identity(path), fd)

@@ -1,0 +1,190 @@
+"""Several daemons on one machine: each gets an identity of its own (derived from its socket), a
+second daemon on an identity or socket that is in use is refused at once in one line (exit 2),
+before any weights load, and what goes wrong for reasons outside our code (a port in use) is one
+line too, never a traceback through the daemon's nurseries."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import blocks
+from peerd.daemon import startup
+from peerd.daemon.main import DaemonConfig, DaemonError, run
+from peerd.devtools.localswarm import ROOT, DaemonProcess
+from peerd.node.identity import IdentityInUse, hold_identity, peer_id_of
+from peerd.sdk.client import Client
+
+
+@pytest.fixture
+def dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A state and a runtime dir of this test's own (identities, default socket)."""
+    monkeypatch.setenv("PEERD_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("PEERD_RUNTIME_DIR", str(tmp_path / "run"))
+    return tmp_path
+
+
+@pytest.fixture
+def busy_socket(tmp_path: Path) -> Iterator[Path]:
+    """A Unix socket something listens on, as a running daemon's is."""
+    path = tmp_path / "busy.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    try:
+        yield path
+    finally:
+        listener.close()
+
+
+def test_each_socket_has_its_own_identity_and_the_default_keeps_the_old_one(dirs: Path) -> None:
+    state = dirs / "state"
+    assert startup.identity_for_socket(dirs / "run" / "peerd.sock") == state / "identity.key"
+    a = startup.identity_for_socket(dirs / "a.sock")
+    b = startup.identity_for_socket(dirs / "b.sock")
+    elsewhere = startup.identity_for_socket(dirs / "other" / "a.sock")
+    assert len({a, b, elsewhere, state / "identity.key"}) == 4
+    assert a.parent == state and a.name.startswith("identity-a-")
+    assert startup.identity_for_socket(dirs / "a.sock") == a  # the same at every restart
+
+
+def test_a_held_identity_is_refused_to_a_second_holder_until_released(tmp_path: Path) -> None:
+    path = tmp_path / "id.key"
+    with hold_identity(path) as first:
+        with pytest.raises(IdentityInUse):
+            hold_identity(path)
+        # flock is per open file: a second daemon process is refused the same way.
+        other = subprocess.run(
+            [sys.executable, "-c", "import sys; from pathlib import Path; "
+             "from peerd.node.identity import hold_identity; hold_identity(Path(sys.argv[1]))",
+             str(path)],
+            capture_output=True, text=True, cwd=ROOT, timeout=120,
+        )  # fmt: skip
+        assert other.returncode != 0 and "IdentityInUse" in other.stderr
+    with hold_identity(path) as again:  # released: the same peer id again
+        assert peer_id_of(again.key_pair) == peer_id_of(first.key_pair)
+
+
+def test_an_identity_in_use_is_refused_naming_the_flag_to_give(dirs: Path) -> None:
+    taken = dirs / "state" / "identity.key"
+    with hold_identity(taken):
+        with pytest.raises(startup.ClaimError) as refused:
+            startup.claim_identity(taken, dirs / "b.sock")
+        derived = startup.identity_for_socket(dirs / "b.sock")
+        assert f"give this one --identity {derived}" in str(refused.value)
+        # On the default socket its own identity is the one taken: suggest a new file beside it.
+        with pytest.raises(startup.ClaimError, match=r"--identity \S*identity-2\.key"):
+            startup.claim_identity(None, dirs / "run" / "peerd.sock")
+
+
+def test_a_socket_in_use_is_refused_before_the_weights_load(
+    dirs: Path, busy_socket: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("weights loaded before the socket was checked")
+
+    monkeypatch.setattr(blocks, "load_span", no_loading)
+    config = DaemonConfig(new_swarm=True, blocks="0:30", socket=busy_socket, throughput="1")
+    with pytest.raises(DaemonError, match="another peerd daemon is listening on"):
+        run(config)
+    assert not (dirs / "state").exists()  # nothing claimed either
+
+
+def test_a_port_in_use_is_one_line_not_an_exception_group(dirs: Path) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        port = taken.getsockname()[1]
+        config = DaemonConfig(
+            new_swarm=True, host_maddrs=[f"/ip4/127.0.0.1/tcp/{port}"], socket=dirs / "a.sock"
+        )
+        with pytest.raises(DaemonError) as refused:
+            run(config)
+    finally:
+        taken.close()
+    assert "\n" not in str(refused.value) and str(refused.value)
+
+
+@pytest.mark.slow  # a `peerd start` process: it imports torch, transformers and libp2p
+def test_peerd_start_on_a_busy_socket_exits_2_with_one_line(dirs: Path, busy_socket: Path) -> None:
+    started = subprocess.run(
+        [sys.executable, "-m", "cli", "start", "--new-swarm", "--socket", str(busy_socket)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120, env=dict(os.environ),
+    )  # fmt: skip
+    assert started.returncode == 2, started.stderr
+    assert started.stderr.splitlines() == [
+        f"peerd start: another peerd daemon is listening on {busy_socket}; stop it or give this "
+        "one another --socket"
+    ]
+
+
+def _wait_until_every_block_is_served(socket_path: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    with Client(socket_path) as client:
+        while True:
+            served = {
+                b
+                for i in client.status().swarm
+                if i.state == "online"
+                for b in range(i.start, i.end)
+            }
+            if served == set(range(30)):
+                return
+            assert time.monotonic() < deadline, f"{socket_path}'s daemon sees blocks {served}"
+            time.sleep(0.5)
+
+
+class _OwnSocketOnly(DaemonProcess):
+    """A daemon started as a user would start a second one: only --socket of its own."""
+
+    def _own_files(self) -> list[str]:
+        return ["--socket", str(self.socket)]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_daemons_differing_only_in_socket_are_two_peers(dirs: Path) -> None:
+    common = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--refresh-period", "2",
+              "--torch-threads", "1", "--throughput", "20"]  # fmt: skip
+    env = {"PEERD_STATE_DIR": str(dirs / "state"), "PEERD_RUNTIME_DIR": str(dirs / "run")}
+
+    def daemon(name: str, args: list[str]) -> _OwnSocketOnly:
+        return _OwnSocketOnly(
+            name=name, args=[*args, *common], identity=dirs / "unused.key", env=env,
+            socket=dirs / f"{name}.sock", log_path=dirs / f"{name}.log",
+        )  # fmt: skip
+
+    first = daemon("a", ["--new-swarm", "--blocks", "0:15"]).start()
+    try:
+        second = daemon("b", ["--initial-peers", first.maddr, "--blocks", "15:30"]).start()
+        try:
+            assert first.peer_id != second.peer_id
+            for each in (first, second):
+                _wait_until_every_block_is_served(each.socket)
+            answers = []
+            for each in (first, second):
+                with Client(each.socket) as client:
+                    answers.append(client.generate("The capital of France is", max_new_tokens=4))
+            assert answers[0] == answers[1] and answers[0].strip()
+            taken = next((dirs / "state").glob("identity-a-*.key"))  # first's, from its socket
+            same_identity = subprocess.run(
+                [sys.executable, "-m", "cli", "start", "--new-swarm", "--socket",
+                 str(dirs / "c.sock"), "--identity", str(taken)],
+                capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, **env},
+            )  # fmt: skip
+            assert same_identity.returncode == 2
+            assert len(same_identity.stderr.splitlines()) == 1
+            assert "is in use by another peerd daemon" in same_identity.stderr
+            assert "give this one --identity" in same_identity.stderr
+        finally:
+            second.kill()
+    finally:
+        first.kill()
