@@ -8,6 +8,7 @@ The browser test runs last: it ends by stopping the server of blocks 20:30 to se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -25,6 +26,7 @@ import pytest
 import uvicorn
 import websockets
 from openai.types.chat import ChatCompletionMessageParam
+from starlette.applications import Starlette
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as ws_connect
 from websockets.typing import Origin
@@ -33,6 +35,7 @@ from peerd.devtools.localswarm import LocalSwarm
 from peerd.gateway import create_app
 from peerd.gateway.app import uvicorn_config
 from peerd.gateway.bodies import MAX_BODY_BYTES
+from peerd.gateway.guard import Exposure
 from peerd.sdk.client import Client
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
@@ -79,11 +82,27 @@ def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None
         time.sleep(0.2)
 
 
+@contextlib.contextmanager
+def served(app: Starlette) -> Iterator[str]:
+    """`app` on uvicorn in a thread, on a free port of 127.0.0.1; yields its URL."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, 60, "uvicorn started")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[Gateway]:
     swarm = LocalSwarm()
-    server: uvicorn.Server | None = None
-    thread: threading.Thread | None = None
     try:
         swarm.start("a", "0:10", *CACHE)
         with ThreadPoolExecutor(2) as pool:  # b and c only need a to join: start them together
@@ -91,24 +110,13 @@ def gateway() -> Iterator[Gateway]:
                 pool.submit(swarm.start, n, b, *CACHE) for n, b in (("b", "10:20"), ("c", "20:30"))
             ]:
                 started.result()
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(128)
-        port = listener.getsockname()[1]
-        app = create_app(swarm.daemons[0].socket)
-        server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, log_level="warning"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-        thread.start()
-        wait_until(lambda: server is not None and server.started, 60, "uvicorn started")
-        running = Gateway(f"http://127.0.0.1:{port}", swarm)
-        wait_until(
-            lambda: running.status()["missing_blocks"] == [], 30, "the daemon sees every block"
-        )
-        yield running
+        with served(create_app(swarm.daemons[0].socket)) as url:
+            running = Gateway(url, swarm)
+            wait_until(
+                lambda: running.status()["missing_blocks"] == [], 30, "the daemon sees every block"
+            )
+            yield running
     finally:
-        if server is not None and thread is not None:
-            server.should_exit = True
-            thread.join(15)
         swarm.stop()
 
 
@@ -123,12 +131,16 @@ def daemon_reference(gateway: Gateway, prompt: str, **options: Any) -> str:
 def test_v1_generate_takes_form_and_json(gateway: Gateway) -> None:
     url = f"{gateway.url}/api/v1/generate"
     expected = daemon_reference(gateway, "The capital of France is", max_new_tokens=6)
-    form = httpx.post(url, data={"inputs": "The capital of France is", "max_new_tokens": "6"})
+    form = httpx.post(
+        url, data={"inputs": "The capital of France is", "max_new_tokens": "6"}, timeout=60
+    )
     assert form.status_code == 200
     assert form.json() == {"ok": True, "outputs": expected}
     # max_length counts the inputs, as in transformers: 5 input tokens + 6 new ones.
     body = {"model": "smollm2-135m-instruct", "inputs": "The capital of France is"}
-    as_json = httpx.post(url, json={**body, "max_length": 11, "do_sample": 0, "top_k": 5})
+    as_json = httpx.post(
+        url, json={**body, "max_length": 11, "do_sample": 0, "top_k": 5}, timeout=60
+    )
     assert as_json.json() == {"ok": True, "outputs": expected}
     sampled = httpx.post(
         url,
@@ -330,7 +342,7 @@ def test_http_errors_are_json_and_4xx(gateway: Gateway) -> None:
 async def test_no_daemon_is_503_with_what_to_do(tmp_path: Path) -> None:
     app = create_app(tmp_path / "nobody.sock")
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
         models = await client.get("/v1/models")
         v1 = await client.post("/api/v1/generate", data={"inputs": "hi", "max_new_tokens": 1})
     assert models.status_code == 503 and "peerd start" in models.json()["error"]["message"]
@@ -429,6 +441,44 @@ def test_twenty_concurrent_websocket_sessions(gateway: Gateway) -> None:
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (scripts/setup.sh)")
+def test_web_page_asks_for_the_api_key_and_chats_with_it(gateway: Gateway) -> None:
+    """A gateway with --api-key: the page gets 401, asks for the key, and sends it (Bearer on
+    fetch, a subprotocol on its WebSocket) for the rest of the chat."""
+    from playwright.sync_api import Dialog, sync_playwright
+
+    key = "chromium-test-key-0123456789"
+    keyed = create_app(gateway.socket, exposure=Exposure(api_key=key))
+    with served(keyed) as url, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page()
+            asked: list[str] = []
+
+            def answer(dialog: Dialog) -> None:
+                asked.append(dialog.message)
+                dialog.accept(key)
+
+            page.on("dialog", answer)
+            page.goto(url)
+            page.wait_for_function(
+                "document.getElementById('swarm').textContent.includes('3 servers')"
+            )
+            assert len(asked) == 1 and "API key" in asked[0]
+            page.evaluate("document.getElementById('max-new-tokens').value = '6'")
+            page.fill("#prompt", QUESTION)
+            page.press("#prompt", "Enter")
+            done = page.wait_for_selector(
+                ".message.assistant:not(.streaming) .stats", timeout=90_000
+            )
+            assert done is not None and "tokens/s" in done.inner_text()
+            assert page.inner_text(".message.assistant .text").strip()
+            assert len(asked) == 1  # the socket used the stored key
+        finally:
+            browser.close()
+    assert httpx.get(f"{url}/api/status").status_code == 401
+
+
+@pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (scripts/setup.sh)")
 def test_web_page_streams_an_answer_in_chromium(gateway: Gateway) -> None:
     from playwright.sync_api import sync_playwright
 
@@ -453,6 +503,8 @@ def test_web_page_streams_an_answer_in_chromium(gateway: Gateway) -> None:
                                {subtree: true, childList: true, characterData: true});
                 }"""
             )
+            # Greedy: a sampled answer need not name Paris (the settings sit in a closed panel).
+            page.evaluate("document.getElementById('do-sample').checked = false")
             page.fill("#prompt", QUESTION)
             page.press("#prompt", "Enter")
             done = page.wait_for_selector(

@@ -166,3 +166,20 @@ def test_cli_refuses_to_listen_publicly_without_a_key() -> None:
     result = CliRunner().invoke(app, ["gateway", "--host", "0.0.0.0"], env={})
     assert result.exit_code == 2
     assert "API key" in result.output and "PEERD_GATEWAY_API_KEY" in result.output
+
+
+def test_docs_give_the_slot_count_the_code_uses() -> None:
+    """docs/gateway.md once said 16 slots and 16 sessions per peer while the code used 64."""
+    import re
+
+    from peerd.gateway.link import SESSION_SLOTS
+    from wire.peer_protocol import DEFAULT_SESSIONS_PER_PEER
+
+    docs = (Path(__file__).resolve().parent.parent / "docs" / "gateway.md").read_text()
+    table = re.search(r"\| generations and v2 sessions at once \| (\d+) \(`SESSION_SLOTS`\)", docs)
+    assert table is not None and int(table.group(1)) == SESSION_SLOTS
+    per_peer = re.search(r"a server takes at most (\d+) sessions\s+from one peer", docs)
+    assert per_peer is not None and int(per_peer.group(1)) == DEFAULT_SESSIONS_PER_PEER
+    counts = {int(n) for n in re.findall(r"(\d+) (?:generation )?slots", docs)}
+    assert counts <= {SESSION_SLOTS, 16}, counts  # 16: the measurement made with 16 slots
+    assert f"all {SESSION_SLOTS} slots" in docs and f"one of the {SESSION_SLOTS} slots" in docs
