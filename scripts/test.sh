@@ -1,9 +1,24 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), then lint, type-check and run every test, including the slow,
-# multi-process ones. This is what CI runs (.ci/run).
+# Set up (scripts/setup.sh) plus what only the tests use, then lint, type-check and run every
+# test, including the slow, multi-process ones. This is what CI runs (.ci/run), as root on a
+# clean machine with no stdin: everything below installs without asking.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+source scripts/apt.sh
+
+# The gateway's browser test drives Debian's chromium through Playwright (never `playwright
+# install`: it downloads browsers from the internet).
+apt_need "the gateway's browser test (skipped without it)" chromium chromium-driver || true
+# tests/test_operations.py checks the unit of `peerd service install` with systemd-analyze.
+apt_need "the service unit test (skipped without it)" systemd || true
+# The NAT tests (tests/test_netns.py) build home networks from network namespaces (iproute2)
+# behind NAT routers (iptables MASQUERADE).
+apt_need "the NAT tests (skipped without them)" iproute2 iptables || true
+# pytest and its plugins, ruff, mypy, and the references some tests compare with (pyproject's dev).
+.venv/bin/python -m pip --disable-pip-version-check -q install -e '.[dev]'
+[ ${#APT_INSTALLED[@]} -eq 0 ] || echo "peerd tests: installed ${APT_INSTALLED[*]}"
+
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .
 .venv/bin/mypy
