@@ -23,10 +23,12 @@ app = typer.Typer(
     help="peerd: run a large language model across a swarm of volunteer machines.",
     no_args_is_help=True,
     add_completion=False,
+    # click's plain help: rich's option tables cut long defaults and paths at 80 columns.
+    rich_markup_mode=None,
 )
 bench_app = typer.Typer(help="Benchmarks that report ratios measured side by side in one run.")
 app.add_typer(bench_app, name="bench")
-app.add_typer(service_app, name="service")
+app.add_typer(service_app, name="service", short_help="A systemd unit that keeps a daemon running.")
 
 
 def _print_report(report: dict, as_json: bool) -> None:
@@ -37,7 +39,8 @@ def _print_report(report: dict, as_json: bool) -> None:
         typer.echo(f"{key}: {value}")
 
 
-app.command()(start)  # `peerd start`: its flags and their checks live beside the daemon
+# `peerd start`: its flags and their checks live beside the daemon.
+app.command(short_help="Serve blocks of a model to the swarm; route local generations.")(start)
 
 
 @contextmanager
@@ -129,7 +132,7 @@ def _routing(
     }
 
 
-@app.command()
+@app.command(short_help="Generate text once through the local daemon.")
 def generate(
     prompt: str | None = typer.Argument(None, help="Text to continue (or a question with --chat)."),
     file: Path | None = typer.Option(
@@ -204,7 +207,7 @@ def _print_answers(prompts: list[str], results: list[Any]) -> None:
         typer.echo(f"{result.text}\n--- ({len(result.token_ids)} tokens, {result.reason})")
 
 
-@app.command()
+@app.command(short_help="Chat with the model at the terminal.")
 def chat(
     socket: Path | None = SOCKET_OPTION,
     prompt: str | None = typer.Option(None, help="Answer this one message and exit."),
@@ -239,7 +242,7 @@ def chat(
             run_chat(client, options)
 
 
-@app.command()
+@app.command(short_help="What the local daemon serves and which servers it sees.")
 def status(
     socket: Path | None = SOCKET_OPTION,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
@@ -268,7 +271,7 @@ def status(
         typer.echo(format_status(reply))
 
 
-@app.command()
+@app.command(short_help="Answer a prompt on a local swarm of three daemons, then stop.")
 def demo(
     prompt: str = typer.Option("What is the capital of France?", help="The question to ask."),
     max_new_tokens: int = typer.Option(48, min=1),
@@ -281,7 +284,7 @@ def demo(
     run_demo(prompt, max_new_tokens)
 
 
-@app.command()
+@app.command(short_help="HTTP, OpenAI-compatible and WebSocket APIs, web chat, /swarm.")
 def gateway(
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, min=0, max=65535, help="TCP port to listen on."),
@@ -323,7 +326,7 @@ def gateway(
     serve(host, port, socket, model, log_level, swarm_refresh, exposure)
 
 
-@bench_app.command("wire")
+@bench_app.command("wire", short_help="Throughput, size and error of every tensor codec.")
 def bench_wire(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     repeats: int = typer.Option(5, min=1, help="Timed repetitions per codec (the best is kept)."),
@@ -340,7 +343,7 @@ def bench_wire(
         typer.echo(format_wire_report(report))
 
 
-@bench_app.command("blocks")
+@bench_app.command("blocks", short_help="Tokens/s of a span beside the whole model in one process.")
 def bench_blocks(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     model: str = typer.Option("default", help="'default' (SmolLM2-135M) or a checkpoint dir."),
@@ -360,7 +363,9 @@ def bench_blocks(
     _print_report(report, as_json)
 
 
-@bench_app.command("wan")
+@bench_app.command(
+    "wan", short_help="Per-token latency on an emulated WAN, push on and off (root)."
+)
 def bench_wan(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     runs: int = typer.Option(2, min=1, help="Repetitions; medians are reported."),
@@ -379,7 +384,7 @@ def bench_wan(
     _print_report(report, as_json)
 
 
-@bench_app.command("swarm")
+@bench_app.command("swarm", short_help="Three local daemons vs the whole model in one process.")
 def bench_swarm(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     runs: int = typer.Option(3, min=1, help="Repetitions; medians are reported."),
@@ -393,7 +398,7 @@ def bench_swarm(
     _print_report(run_swarm_bench(runs=runs, new_tokens=new_tokens), as_json)
 
 
-@bench_app.command("soak")
+@bench_app.command("soak", short_help="Generate while servers are killed and restarted.")
 def bench_soak(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     duration: float = typer.Option(300.0, min=1.0, help="Seconds the clients keep generating."),
@@ -423,7 +428,7 @@ def bench_soak(
     _print_report(report, as_json)
 
 
-@bench_app.command("batch")
+@bench_app.command("batch", short_help="Concurrent sessions' tokens/s with and without batching.")
 def bench_batch(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     runs: int = typer.Option(3, min=1, help="Rounds; medians are reported."),

@@ -3,16 +3,52 @@ library (peerd.sdk.client) talking to the local daemon."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, TextIO
 
 import wire
+from peerd.paths import state_dir
 from peerd.sdk.client import Client, DaemonNotRunning, GenerateOptions, PeerdError
 
-HELP = "commands: /reset (new conversation), /route (servers in use), /quit; Ctrl-C stops an answer"
+HELP = (
+    "commands: /reset (new conversation), /route (servers in use), /quit; Ctrl-C stops an "
+    "answer; arrow keys and Ctrl-R recall earlier questions"
+)
 CHAT_MAX_LENGTH = 4096
+# Questions `peerd chat` keeps across runs (the up arrow, Ctrl-R), like a shell's history.
+HISTORY_LINES = 1000
+
+
+def chat_history_path() -> Path:
+    """Where `peerd chat` keeps its questions: beside the identities, in the user's state dir."""
+    return state_dir() / "chat_history"
+
+
+def line_editing(history: Path) -> Callable[[str], None]:
+    """Give input() line editing (GNU readline: arrow keys, Ctrl-R) with the history kept in
+    `history` (0600: questions can be private); returns what saves a line to it. Without a
+    readline module on this Python, input() stays plain."""
+    try:
+        import readline
+    except ImportError:
+        return lambda line: None
+    readline.set_history_length(HISTORY_LINES)
+    with contextlib.suppress(OSError):
+        readline.read_history_file(history)
+
+    def save(line: str) -> None:
+        # input() already added the line; written at once, so a killed chat loses nothing.
+        with contextlib.suppress(OSError):
+            history.parent.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(history, os.O_WRONLY | os.O_CREAT, 0o600))
+            readline.write_history_file(history)
+
+    return save
 
 
 def stream_answer(
@@ -57,6 +93,7 @@ def run_chat(
     out.write(f"peerd chat with {client.welcome.model} through {len(route)} servers. {HELP}\n")
     out.flush()
     source = iter(lines) if lines is not None else None
+    remember = line_editing(chat_history_path()) if source is None else (lambda line: None)
     while True:
         try:
             if source is not None:
@@ -71,6 +108,7 @@ def run_chat(
         text = line.strip()
         if not text:
             continue
+        remember(line)
         if text == "/quit":
             break
         if text == "/reset":
