@@ -444,5 +444,27 @@ def bench_batch(
     _print_report(run_batch_bench(runs=runs, sessions=sessions, new_tokens=new_tokens), as_json)
 
 
+@bench_app.command("attack")
+def bench_attack(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    attack_s: float = typer.Option(8.0, min=1.0, help="Seconds each flood lasts."),
+    new_tokens: int = typer.Option(8, min=1, help="Greedy tokens per honest generation."),
+    only: list[str] = typer.Option([], "--only", help="Run just this attack (repeat)."),
+) -> None:
+    """Every attack of the security review against a live 3-daemon swarm while an honest client
+    generates: per attack, did the daemons live, the honest text stay right, memory and event
+    loop hold (peerd/bench/attack.py)."""
+    from peerd.bench.attack import run_attack_bench
+    from peerd.daemon.main import configure_logging
+
+    configure_logging("warning")
+    try:
+        report = run_attack_bench(attack_s=attack_s, new_tokens=new_tokens, only=tuple(only))
+    except ValueError as e:
+        typer.echo(f"peerd bench attack: {e}", err=True)
+        raise typer.Exit(2) from None
+    _print_report(report, as_json)
+
+
 if __name__ == "__main__":
     app()
