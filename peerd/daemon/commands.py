@@ -30,7 +30,11 @@ INITIAL_PEERS = typer.Option(
 )
 PORT = typer.Option(0, help="TCP port to listen on (0: any free port).")
 HOST_MADDRS = typer.Option([], "--host-maddrs", help="Listen multiaddrs.")
-IDENTITY = typer.Option(None, help="Identity file (created on first use).")
+IDENTITY = typer.Option(
+    None,
+    help="Identity file, created on first use (default: one per --socket, in "
+    "$PEERD_STATE_DIR or ~/.local/state/peerd).",
+)
 THROUGHPUT = typer.Option("auto", help="auto (measure once, cached) or tokens/s.")
 MEMORY_BUDGET = typer.Option(
     None, help="Bytes for weights + cache with --blocks auto (default: half of free RAM)."
