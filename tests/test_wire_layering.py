@@ -19,6 +19,7 @@ ALLOWED = {
     "math",
     "struct",
     "sys",
+    "traceback",  # clear_frames: a decode error must not keep what was decoded alive
     "types",
     "typing",
     "lz4",

@@ -8,6 +8,9 @@ do about it.
 
 from __future__ import annotations
 
+import sys
+import traceback
+
 
 class ProtocolError(Exception):
     """Bytes or values that break the peerd wire protocol (docs/wire.md)."""
@@ -45,6 +48,14 @@ class MalformedTensor(MalformedMessage):
     """An encoded tensor map that is inconsistent (dtype, shape, codec, byte counts)."""
 
 
+class NonFiniteTensor(ValueError):
+    """A message being built holds nan or inf in a floating tensor.
+
+    Not a ProtocolError: it is raised by our own side, never by a peer's bytes (a decoder turns
+    the same finding in a received message into MalformedTensor). A server that gets it while
+    building a reply answers an error instead of the values (peerd.server.boundary)."""
+
+
 class UnknownMessageType(MalformedMessage):
     """A message `type` this peerd does not know."""
 
@@ -73,3 +84,28 @@ class VersionMismatch(ProtocolError):
             f"peer speaks peerd wire protocol version {remote}, this peerd speaks {supported}: "
             f"{advice}"
         )
+
+
+def detached(error: ProtocolError) -> ProtocolError:
+    """A copy of `error` (same class, text and attributes) with no traceback, cause or context.
+
+    A decoder that remembers its error to raise it again keeps the copy: the original's traceback
+    holds the frames that were decoding, and their locals (a half-built list of millions of
+    objects, a frame buffer), which would otherwise live as long as the decoder, in a reference
+    cycle through it."""
+    copy = type(error).__new__(type(error))
+    copy.args = error.args
+    copy.__dict__.update(error.__dict__)
+    return copy
+
+
+def detach_current() -> ProtocolError:
+    """`detached` of the ProtocolError being handled, which goes on being raised, after the
+    frames it came through have let go of their locals (what they were decoding): otherwise
+    the exception, its traceback and those frames keep each other alive in a reference cycle
+    until the garbage collector next runs, gigabytes after a few hostile frames. Call it in an
+    `except ProtocolError:` clause that binds no name (a name would close another cycle)."""
+    error = sys.exception()
+    assert isinstance(error, ProtocolError)
+    traceback.clear_frames(error.__traceback__)
+    return detached(error)

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import torch
 
-from wire.errors import MalformedMessage
+from wire.errors import MalformedMessage, NonFiniteTensor
 from wire.tensors import DTYPES
 
 DEFAULT_MAX_STR_LEN = 256
@@ -47,6 +47,7 @@ class Rule:
     ndim: int | None = None
     floating: bool = False
     allow_nonfinite: bool = False
+    allow_empty: bool = False
 
 
 def spec(
@@ -64,15 +65,28 @@ def spec(
     ndim: int | None = None,
     floating: bool = False,
     allow_nonfinite: bool = False,
+    allow_empty: bool = False,
 ) -> Any:
     """Constraints on one field (a dataclass field specifier).
 
     ge/gt/le/lt: bounds of an int or float (of each item, for a tuple). min_len/max_len: characters
     of a str, bytes of a bytes field. min_items/max_items: length of a tuple. ndim/floating: a
-    tensor's dimensions and dtype class. allow_nonfinite: accept inf/nan in a float field.
+    tensor's dimensions and dtype class. allow_nonfinite: accept inf/nan in a float field or a
+    floating tensor. allow_empty: accept a tensor with a dimension of size 0.
     """
     rule = Rule(
-        ge, gt, le, lt, min_len, max_len, min_items, max_items, ndim, floating, allow_nonfinite
+        ge,
+        gt,
+        le,
+        lt,
+        min_len,
+        max_len,
+        min_items,
+        max_items,
+        ndim,
+        floating,
+        allow_nonfinite,
+        allow_empty,
     )
     return dataclasses.field(
         default=default, default_factory=default_factory, metadata={"wire": rule}
@@ -246,7 +260,22 @@ def _tensor(field: WireField, value: Any, path: str) -> torch.Tensor:
         )
     if rule.floating and not value.is_floating_point():
         raise MalformedMessage(f"{path}: must be a floating tensor, got {value.dtype}")
+    if not rule.allow_empty and 0 in value.shape:
+        raise MalformedMessage(
+            f"{path}: has shape {list(value.shape)}, with no values: every dimension must be at "
+            "least 1 (a step or pass carries at least one token of one sequence)"
+        )
+    if not rule.allow_nonfinite and value.is_floating_point() and not _finite(value):
+        raise NonFiniteTensor(
+            f"{path}: holds nan or inf values: peers exchange finite values only (the sender's "
+            "computation overflowed or diverged: check its inputs and dtype)"
+        )
     return value
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    # One pass with torch's threads; a bool tensor of numel bytes is the only allocation.
+    return bool(torch.isfinite(tensor).all())
 
 
 def _record(field: WireField, value: Any, path: str) -> Any:
@@ -325,3 +354,29 @@ def describe(value: Any) -> str:
     if isinstance(value, list | tuple):
         return f"a list of {len(value)} items"
     return f"{type(value).__name__} {value!r:.60}"
+
+
+# --- what a field can cost a decoder -------------------------------------------------------------
+
+TENSOR_OBJECTS = 13 + 16
+"""Values in an encoded tensor map: the map, six keys and six values, and a shape of up to 16
+sizes (wire.tensors.MAX_NDIM)."""
+
+
+def object_bound(fields: tuple[WireField, ...]) -> int:
+    """Most msgpack values a valid map of `fields` holds (the map, its keys, its values, and
+    everything nested in them): the budget a decoder gives a body before it reads it."""
+    return 1 + sum(1 + _value_bound(field) for field in fields)
+
+
+def _value_bound(field: WireField) -> int:
+    if field.kind == "tensor":
+        return TENSOR_OBJECTS
+    if field.kind == "record":
+        assert field.record is not None
+        return object_bound(field.record._wire_fields)  # type: ignore[attr-defined]
+    if field.kind == "tuple":
+        assert field.item is not None
+        most = field.rule.max_items if field.rule.max_items is not None else DEFAULT_MAX_ITEMS
+        return 1 + most * _value_bound(field.item)
+    return 1

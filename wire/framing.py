@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from wire.buffers import allocate, copy_bytes, freeze, is_immutable
-from wire.errors import FrameTooLarge, MalformedFrame, ProtocolError
-from wire.packing import byte_view, pack_parts, unpack
+from wire.errors import FrameTooLarge, MalformedFrame, ProtocolError, detach_current, detached
+from wire.packing import MAX_OBJECTS, byte_view, pack_parts, unpack
 
 HEADER = struct.Struct(">I")
 HEADER_SIZE = HEADER.size
@@ -62,14 +62,28 @@ def decode_frame(
     frame: bytes | bytearray | memoryview, *, max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
 ) -> dict[str, Any]:
     """The map in `frame`, which must be exactly one complete frame. Raises ProtocolError."""
+    return _map_of(single_body(frame, max_frame_size), MAX_OBJECTS)
+
+
+def single_body(frame: bytes | bytearray | memoryview, max_frame_size: int) -> memoryview:
+    """The body of `frame`, which must be exactly one complete frame. Raises ProtocolError."""
     decoder = FrameDecoder(max_frame_size=max_frame_size)
     decoder.receive_data(frame)
     decoder.receive_data(b"")
-    obj = decoder.next_frame()
-    if obj is None:
+    body = decoder.next_body()
+    if body is None:
         raise MalformedFrame("expected one frame, got an empty stream")
-    if decoder.next_frame() is not None:
+    if decoder.next_body() is not None:
         raise MalformedFrame("expected one frame, got several")
+    return body
+
+
+def _map_of(body: memoryview, max_objects: int) -> dict[str, Any]:
+    obj = unpack(body, max_objects=max_objects)
+    if not isinstance(obj, dict):
+        raise MalformedFrame(
+            f"a frame carries a msgpack map, this one carries a {type(obj).__name__}"
+        )
     return obj
 
 
@@ -84,6 +98,9 @@ class FrameDecoder:
         if not 0 < max_frame_size < 1 << 32:
             raise ValueError("max_frame_size must be between 1 and 2**32 - 1 bytes")
         self.max_frame_size = max_frame_size
+        self.frame_limit = max_frame_size
+        """Largest body accepted for frames whose length arrives from now on (at most
+        max_frame_size; a message decoder lowers it when it knows which types may come)."""
         self._header = bytearray()
         self._body: memoryview | None = None  # the frame being filled, allocated at its full size
         self._filled = 0
@@ -110,7 +127,7 @@ class FrameDecoder:
             at_boundary = self._body is None and not self._header
             if at_boundary and immutable and len(view) - pos >= HEADER_SIZE:
                 size = HEADER.unpack_from(view, pos)[0]
-                if 0 < size <= self.max_frame_size and size <= len(view) - pos - HEADER_SIZE:
+                if 0 < size <= self._limit and size <= len(view) - pos - HEADER_SIZE:
                     self._complete.append(view[pos + HEADER_SIZE : pos + HEADER_SIZE + size])
                     pos += HEADER_SIZE + size
                     continue
@@ -130,9 +147,13 @@ class FrameDecoder:
                     self._complete.append(self._body)
                     self._body = None
 
+    @property
+    def _limit(self) -> int:
+        return min(self.frame_limit, self.max_frame_size)
+
     def _start_body(self, size: int) -> None:
-        if size > self.max_frame_size:
-            self._error = FrameTooLarge(size, self.max_frame_size)
+        if size > self._limit:
+            self._error = FrameTooLarge(size, self._limit)
         elif size == 0:
             self._error = MalformedFrame("frame of length 0: every frame carries one msgpack map")
         else:
@@ -142,24 +163,30 @@ class FrameDecoder:
             self._body = memoryview(bytearray(size)) if size < SMALL_FRAME else allocate(size)
             self._filled = 0
 
-    def next_frame(self) -> dict[str, Any] | None:
-        """The next complete frame's map, or None until more data arrives. Raises ProtocolError."""
+    def next_frame(self, *, max_objects: int = MAX_OBJECTS) -> dict[str, Any] | None:
+        """The next complete frame's map, or None until more data arrives. Raises ProtocolError;
+        MalformedFrame if the map holds more than `max_objects` values."""
+        body = self.next_body()
+        if body is None:
+            return None
+        try:
+            return _map_of(body, max_objects)
+        except ProtocolError:
+            self._fail(detach_current())
+            raise
+
+    def next_body(self) -> memoryview | None:
+        """The next complete frame's body, not decoded, or None until more data arrives (for a
+        decoder that reads it piece by piece). Raises ProtocolError."""
         if self._complete:
             body = self._complete.popleft()
-            try:
-                obj = unpack(body)
-            except ProtocolError as error:
+            if len(body) > self._limit:  # its length came in before the limit was lowered
+                error = FrameTooLarge(len(body), self._limit)
                 self._fail(error)
-                raise
-            if not isinstance(obj, dict):
-                not_a_map = MalformedFrame(
-                    f"a frame carries a msgpack map, this one carries a {type(obj).__name__}"
-                )
-                self._fail(not_a_map)
-                raise not_a_map
-            return obj
+                raise error
+            return body
         if self._error is not None:
-            raise self._error
+            raise detached(self._error)
         if self._ended and (self._header or self._body is not None):
             got = len(self._header) if self._body is None else HEADER_SIZE + self._filled
             need = HEADER_SIZE if self._body is None else HEADER_SIZE + len(self._body)
@@ -172,7 +199,7 @@ class FrameDecoder:
         return None
 
     def _fail(self, error: ProtocolError) -> None:
-        self._error = error
+        self._error = detached(error)
         self._complete.clear()
         self._body = None
         self._header.clear()

@@ -19,7 +19,6 @@ bytes actually left in the frame before anything is allocated.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -43,6 +42,13 @@ MAX_MAP_LEN = 256
 MAX_STR_LEN = 4 << 20
 """Longest UTF-8 string in bytes: a prompt that fills a 128k-token context is about 0.5 MB of text,
 so 4 MiB is 8x headroom while bounding what one string can cost."""
+
+MAX_OBJECTS = 1 << 18
+"""Most values (containers, keys and items each count one) decoded from one frame unless the
+message type allows fewer (wire.schema gives each type a budget from its schema). Parsing costs
+about a microsecond and a few dozen bytes per value in Python, so a frame of 16 MiB of one-byte
+empty maps would otherwise cost seconds of the event loop and gigabytes; 2^18 covers the largest
+legitimate frame (a `generate` of 2^17 token ids) twice over."""
 
 LARGE_BINARY = 64 << 10
 """Binary values at least this long are kept out of the packer's buffer when encoding (copied once,
@@ -151,55 +157,155 @@ def _bin_header(size: int) -> bytes:
 # --- decoding ---------------------------------------------------------------------------------
 
 
-def unpack(body: bytes | bytearray | memoryview) -> Any:
+def unpack(body: bytes | bytearray | memoryview, *, max_objects: int = MAX_OBJECTS) -> Any:
     """Decode one msgpack value that must fill `body` exactly.
 
     Binary values come back as memoryviews into `body` (writable if `body` is: FrameDecoder owns
     each body alone, so a decoder may copy out of it with torch's threads). Raises MalformedFrame
-    (a ProtocolError) for anything else than one well-formed value within the limits above.
+    (a ProtocolError) for anything else than one well-formed value within the limits above,
+    `max_objects` values in all (containers, keys and items each count one).
     """
-    buf = byte_view(body)
-    try:
-        value, pos = _unpack(buf, 0, 0)
-    except (IndexError, struct.error):
-        raise MalformedFrame(
-            f"frame body of {len(buf)} bytes ends in the middle of a msgpack value"
-        ) from None
-    if pos != len(buf):
-        raise MalformedFrame(
-            f"frame body has {len(buf) - pos} bytes left after its msgpack value "
-            f"(a frame carries exactly one value)"
-        )
+    reader = Reader(body, max_objects=max_objects)
+    value = reader.value()
+    reader.finish()
     return value
 
 
-def _unpack(buf: memoryview, pos: int, depth: int) -> tuple[Any, int]:
-    kind = buf[pos]
-    pos += 1
-    if kind < 0x80:  # positive fixint
-        return kind, pos
-    if kind >= 0xE0:  # negative fixint
-        return kind - 0x100, pos
-    if kind < 0x90:
-        return _map(buf, pos, kind & 0x0F, depth)
-    if kind < 0xA0:
-        return _array(buf, pos, kind & 0x0F, depth)
-    if kind < 0xC0:
-        return _str(buf, pos, kind & 0x1F)
-    if kind in _CONSTANTS:
-        return _CONSTANTS[kind], pos
-    number = _NUMBERS.get(kind)
-    if number is not None:
-        return number.unpack_from(buf, pos)[0], pos + number.size
-    sized = _SIZED.get(kind)
-    if sized is not None:
-        length, read = sized
-        return read(buf, pos + length.size, length.unpack_from(buf, pos)[0], depth)
-    if kind == 0xC1:
-        raise MalformedFrame(f"byte 0xc1 at offset {pos - 1} is never used in msgpack")
-    raise MalformedFrame(
-        f"msgpack ext type (0x{kind:02x}) at offset {pos - 1}: peerd frames never carry ext types"
-    )
+class Reader:
+    """Values read one after another from a frame body, within an object budget.
+
+    `unpack` reads one value; the message decoder reads an envelope's keys one at a time, so it
+    can refuse a message by its type before reading the body, and give the body a budget that
+    fits its type (`budget` may be set between values). Raises MalformedFrame.
+    """
+
+    def __init__(self, body: bytes | bytearray | memoryview, *, max_objects: int) -> None:
+        self.buf = byte_view(body)
+        self.pos = 0
+        self.budget = max_objects  # values that may still be made
+
+    @property
+    def at_end(self) -> bool:
+        return self.pos >= len(self.buf)
+
+    def value(self, depth: int = 0) -> Any:
+        """The next value (nesting counted from `depth`)."""
+        try:
+            value, self.pos = self._unpack(self.pos, depth)
+        except (IndexError, struct.error):
+            raise MalformedFrame(
+                f"frame body of {len(self.buf)} bytes ends in the middle of a msgpack value"
+            ) from None
+        return value
+
+    def map_header(self) -> int:
+        """The entry count of the map that starts here (its entries are read with `value`)."""
+        kind = self.buf[self.pos] if not self.at_end else None
+        if kind is not None and 0x80 <= kind < 0x90:
+            count, self.pos = kind & 0x0F, self.pos + 1
+        elif kind in (0xDE, 0xDF):
+            length = _U16 if kind == 0xDE else _U32
+            _need(self.buf, self.pos + 1, length.size, "map length")
+            count = length.unpack_from(self.buf, self.pos + 1)[0]
+            self.pos += 1 + length.size
+        else:
+            return -1
+        self._count(1)
+        if count > MAX_MAP_LEN:
+            raise MalformedFrame(f"map of {count} entries is over the {MAX_MAP_LEN}-entry limit")
+        _need(self.buf, self.pos, 2 * count, f"map of {count} entries")
+        return int(count)
+
+    def finish(self) -> None:
+        """Check that the body held nothing after the values read."""
+        if self.pos != len(self.buf):
+            raise MalformedFrame(
+                f"frame body has {len(self.buf) - self.pos} bytes left after its msgpack value "
+                f"(a frame carries exactly one value)"
+            )
+
+    def _count(self, objects: int) -> None:
+        self.budget -= objects
+        if self.budget < 0:
+            raise MalformedFrame(
+                "frame holds more values than its message type can have: refused before "
+                "decoding the rest (a peer building objects to exhaust memory or time)"
+            )
+
+    def _unpack(self, pos: int, depth: int) -> tuple[Any, int]:
+        buf = self.buf
+        kind = buf[pos]
+        pos += 1
+        self._count(1)
+        if kind < 0x80:  # positive fixint
+            return kind, pos
+        if kind >= 0xE0:  # negative fixint
+            return kind - 0x100, pos
+        if kind < 0x90:
+            return self._map(pos, kind & 0x0F, depth)
+        if kind < 0xA0:
+            return self._array(pos, kind & 0x0F, depth)
+        if kind < 0xC0:
+            return _str(buf, pos, kind & 0x1F)
+        if kind in _CONSTANTS:
+            return _CONSTANTS[kind], pos
+        number = _NUMBERS.get(kind)
+        if number is not None:
+            return number.unpack_from(buf, pos)[0], pos + number.size
+        sized = _SIZED.get(kind)
+        if sized is not None:
+            length, container = sized
+            count = length.unpack_from(buf, pos)[0]
+            pos += length.size
+            if container == "str":
+                return _str(buf, pos, count)
+            if container == "bin":
+                return _bin(buf, pos, count)
+            if container == "array":
+                return self._array(pos, count, depth)
+            return self._map(pos, count, depth)
+        if kind == 0xC1:
+            raise MalformedFrame(f"byte 0xc1 at offset {pos - 1} is never used in msgpack")
+        raise MalformedFrame(
+            f"msgpack ext type (0x{kind:02x}) at offset {pos - 1}: peerd frames never carry ext "
+            "types"
+        )
+
+    def _array(self, pos: int, count: int, depth: int) -> tuple[list[Any], int]:
+        if count > MAX_ARRAY_LEN:
+            raise MalformedFrame(f"array of {count} items is over the {MAX_ARRAY_LEN}-item limit")
+        _need(self.buf, pos, count, f"array of {count} items")  # an item takes >= 1 byte
+        if depth + 1 > MAX_DEPTH:
+            raise MalformedFrame(f"value nests deeper than {MAX_DEPTH} levels")
+        if count > self.budget:  # refused before building any of it
+            self._count(count)
+        items = []
+        for _ in range(count):
+            item, pos = self._unpack(pos, depth + 1)
+            items.append(item)
+        return items, pos
+
+    def _map(self, pos: int, count: int, depth: int) -> tuple[dict[str, Any], int]:
+        if count > MAX_MAP_LEN:
+            raise MalformedFrame(f"map of {count} entries is over the {MAX_MAP_LEN}-entry limit")
+        _need(self.buf, pos, 2 * count, f"map of {count} entries")  # a key and a value
+        if depth + 1 > MAX_DEPTH:
+            raise MalformedFrame(f"value nests deeper than {MAX_DEPTH} levels")
+        if 2 * count > self.budget:
+            self._count(2 * count)
+        result: dict[str, Any] = {}
+        for _ in range(count):
+            key_at = pos
+            key, pos = self._unpack(pos, depth + 1)
+            if type(key) is not str:
+                raise MalformedFrame(
+                    f"map key at offset {key_at} is a {type(key).__name__}: peerd map keys are "
+                    "strings"
+                )
+            if key in result:
+                raise MalformedFrame(f"map has the key {key!r} twice")
+            result[key], pos = self._unpack(pos, depth + 1)
+        return result, pos
 
 
 def _need(buf: memoryview, pos: int, size: int, what: str) -> None:
@@ -228,39 +334,6 @@ def _bin(buf: memoryview, pos: int, size: int) -> tuple[memoryview, int]:
     return buf[pos : pos + size], pos + size
 
 
-def _array(buf: memoryview, pos: int, count: int, depth: int) -> tuple[list[Any], int]:
-    if count > MAX_ARRAY_LEN:
-        raise MalformedFrame(f"array of {count} items is over the {MAX_ARRAY_LEN}-item limit")
-    _need(buf, pos, count, f"array of {count} items")  # every item takes at least one byte
-    if depth + 1 > MAX_DEPTH:
-        raise MalformedFrame(f"value nests deeper than {MAX_DEPTH} levels")
-    items = []
-    for _ in range(count):
-        item, pos = _unpack(buf, pos, depth + 1)
-        items.append(item)
-    return items, pos
-
-
-def _map(buf: memoryview, pos: int, count: int, depth: int) -> tuple[dict[str, Any], int]:
-    if count > MAX_MAP_LEN:
-        raise MalformedFrame(f"map of {count} entries is over the {MAX_MAP_LEN}-entry limit")
-    _need(buf, pos, 2 * count, f"map of {count} entries")  # a key and a value: two bytes at least
-    if depth + 1 > MAX_DEPTH:
-        raise MalformedFrame(f"value nests deeper than {MAX_DEPTH} levels")
-    result: dict[str, Any] = {}
-    for _ in range(count):
-        key_at = pos
-        key, pos = _unpack(buf, pos, depth + 1)
-        if type(key) is not str:
-            raise MalformedFrame(
-                f"map key at offset {key_at} is a {type(key).__name__}: peerd map keys are strings"
-            )
-        if key in result:
-            raise MalformedFrame(f"map has the key {key!r} twice")
-        result[key], pos = _unpack(buf, pos, depth + 1)
-    return result, pos
-
-
 # Type bytes past the fixed-size ranges: nil and the booleans, the numbers (each a struct), and
 # the values whose length follows the type byte (str, bin, array and map, read at that length).
 _CONSTANTS: dict[int, Any] = {0xC0: None, 0xC2: False, 0xC3: True}
@@ -276,26 +349,15 @@ _NUMBERS: dict[int, struct.Struct] = {
     0xD2: _I32,
     0xD3: _I64,
 }
-_Reader = Callable[[memoryview, int, int, int], tuple[Any, int]]
-
-
-def _str_of(buf: memoryview, pos: int, size: int, depth: int) -> tuple[str, int]:
-    return _str(buf, pos, size)
-
-
-def _bin_of(buf: memoryview, pos: int, size: int, depth: int) -> tuple[memoryview, int]:
-    return _bin(buf, pos, size)
-
-
-_SIZED: dict[int, tuple[struct.Struct, _Reader]] = {
-    0xC4: (_U8, _bin_of),
-    0xC5: (_U16, _bin_of),
-    0xC6: (_U32, _bin_of),
-    0xD9: (_U8, _str_of),
-    0xDA: (_U16, _str_of),
-    0xDB: (_U32, _str_of),
-    0xDC: (_U16, _array),
-    0xDD: (_U32, _array),
-    0xDE: (_U16, _map),
-    0xDF: (_U32, _map),
+_SIZED: dict[int, tuple[struct.Struct, str]] = {
+    0xC4: (_U8, "bin"),
+    0xC5: (_U16, "bin"),
+    0xC6: (_U32, "bin"),
+    0xD9: (_U8, "str"),
+    0xDA: (_U16, "str"),
+    0xDB: (_U32, "str"),
+    0xDC: (_U16, "array"),
+    0xDD: (_U32, "array"),
+    0xDE: (_U16, "map"),
+    0xDF: (_U32, "map"),
 }

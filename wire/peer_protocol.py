@@ -76,6 +76,19 @@ MAX_ERROR_MESSAGE_LEN = 4096
 MAX_WAIT_TIMEOUT_S = 3600.0
 """Longest wait for cache a client may ask for (servers cap it lower: docs/wire.md)."""
 
+# Frame limits of the messages without tensors (Message.MAX_FRAME), far below the 256 MiB a
+# tensor may need: a stranger's request is refused at its length prefix, before it is read.
+TINY_FRAME = 4 << 10
+"""info_request, close_session, session_opened: a few short fields."""
+
+RECORD_FRAME = 256 << 10
+"""info_response, error: a ServerInfo with every address and adapter at its longest is ~200 KiB
+of UTF-8 (an error's text is 16 KiB at most)."""
+
+ROUTE_FRAME = 1 << 20
+"""open_session: its next_hops name the rest of a route, a few hundred bytes per hop (peer id,
+session id, a few addresses), ~100 KiB for a route through every block of the deepest model."""
+
 
 class _Span(Record):
     """Records and messages with a block span [start, end) check end > start."""
@@ -151,17 +164,17 @@ class NextHop(_Span):
     step it pushes there."""
 
 
-@message("info_request")
+@message("info_request", max_frame=TINY_FRAME)
 class InfoRequest(Message):
     """Ask a server for its live record."""
 
 
-@message("info_response")
+@message("info_response", max_frame=RECORD_FRAME)
 class InfoResponse(Message):
     record: ServerInfo
 
 
-@message("open_session")
+@message("open_session", max_frame=ROUTE_FRAME)
 class OpenSession(_Span, Message):
     """Open an inference session on blocks [start, end) with a KV cache of max_length tokens."""
 
@@ -204,7 +217,7 @@ class OpenSession(_Span, Message):
             raise ValueError("left_padding must leave each row a position for a token")
 
 
-@message("session_opened")
+@message("session_opened", max_frame=TINY_FRAME)
 class SessionOpened(Message):
     session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
     max_length: int = spec(ge=1, le=MAX_SESSION_TOKENS)  # tokens actually reserved
@@ -235,7 +248,7 @@ class StepResult(Message):
     the client must send it there itself (client-relayed fallback)."""
 
 
-@message("close_session")
+@message("close_session", max_frame=TINY_FRAME)
 class CloseSession(Message):
     session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
 
@@ -337,7 +350,7 @@ class ErrorCode(enum.StrEnum):
     FORWARD_NOT_FOUND = "forward_not_found"  # TrainingBackward names no forward this client ran
 
 
-@message("error")
+@message("error", max_frame=RECORD_FRAME)
 class Error(Message):
     """A request failed; `message` is for a person, `code` for a program (see ErrorCode)."""
 

@@ -273,7 +273,7 @@ def _read_header(value: object, max_bytes: int) -> _Header:
     if size > max_bytes:
         raise MalformedTensor(
             f"tensor of shape {shape} and dtype {dtype_name} is {size} bytes, over the "
-            f"{max_bytes}-byte limit"
+            f"{max_bytes}-byte limit (the tensors of one message share the frame limit)"
         )
     codec = _codec(value, dtype)
     compressed = value.get("lz4", False)

@@ -12,7 +12,8 @@ from typing import Protocol, TypeVar
 import trio
 from libp2p.network.stream.exceptions import StreamError
 
-from wire import Message, MessageDecoder, ProtocolError, encode_message
+from wire import Message, MessageDecoder, encode_message
+from wire.schema import Expect
 
 M = TypeVar("M", bound=Message)
 
@@ -72,9 +73,13 @@ class MessageStream:
         except (StreamError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
             raise PeerGone(f"cannot send to {self.remote_peer}: {e or type(e).__name__}") from e
 
-    async def receive(self, timeout: float) -> Message:
+    async def receive(self, timeout: float, expect: Expect = None) -> Message:
         """The next message; PeerGone if the stream ends or nothing arrives within `timeout`;
-        ProtocolError if the peer sent bytes that are not a valid message."""
+        ProtocolError if the peer sent bytes that are not a valid message, or (`expect` given) a
+        message of another type: then its frame is refused by its length alone when too large
+        for every type expected (an info request never needs more than a few KiB), and its body
+        is not read."""
+        self._decoder.expect_next(expect)
         with trio.move_on_after(timeout):
             while True:
                 message = self._decoder.next_message()
@@ -92,9 +97,8 @@ class MessageStream:
         raise Idle(f"{self.remote_peer} sent nothing for {timeout:.0f} s")
 
     async def receive_as(self, kind: type[M], timeout: float) -> M:
-        message = await self.receive(timeout)
-        if not isinstance(message, kind):
-            raise ProtocolError(f"expected a {kind.__name__} message, got {type(message).__name__}")
+        message = await self.receive(timeout, expect=kind)
+        assert isinstance(message, kind)  # the decoder refused any other type
         return message
 
     async def close(self) -> None:

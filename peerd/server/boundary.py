@@ -52,6 +52,19 @@ async def stream_boundary(
     answered)."""
     try:
         yield
+    except wire.NonFiniteTensor as e:
+        # Our own blocks produced nan or inf (finite inputs are checked on arrival): a faulty
+        # device or weights, or an input that overflowed the span's dtype. The peer gets an
+        # error, never the values, and goes to another server.
+        log.warning(
+            "%s request from %s gave non-finite output: %s", protocol, messages.remote_peer, e
+        )
+        await server.refuse(
+            messages,
+            wire.ErrorCode.INTERNAL,
+            "this server's blocks produced nan or inf for this request (its device or weights may "
+            "be faulty, or the input overflowed its dtype): try another server",
+        )
     except wire.ProtocolError as e:
         if answer_protocol_errors:
             await server.refuse(messages, wire.ErrorCode.BAD_REQUEST, str(e))
