@@ -473,9 +473,9 @@ def test_web_page_asks_for_the_api_key_and_chats_with_it(gateway: Gateway) -> No
             assert done is not None and "tokens/s" in done.inner_text()
             assert page.inner_text(".message.assistant .text").strip()
             assert len(asked) == 1  # the socket used the stored key
+            assert httpx.get(f"{url}/api/status", timeout=30).status_code == 401
         finally:
             browser.close()
-    assert httpx.get(f"{url}/api/status").status_code == 401
 
 
 @pytest.mark.skipif(not CHROMIUM.exists(), reason="needs Debian's chromium (scripts/setup.sh)")
