@@ -8,6 +8,7 @@ import uuid
 from typing import Any
 
 import pytest
+import torch
 import trio
 import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -157,6 +158,35 @@ async def _open(node: Node, peer: str, max_length: int, wait: float) -> tuple[An
     return stream, await stream.receive(30)
 
 
+async def _step(stream: Any, opened: wire.SessionOpened, step_id: int) -> None:
+    """One token through the session: its lease is fresh again for 5 s."""
+    hidden = torch.zeros(1, 1, 576)
+    await stream.send(
+        wire.Step(session_id=opened.session_id, step_id=step_id, hidden_states=hidden)
+    )
+    assert isinstance(await stream.receive(60), wire.StepResult)
+
+
+class _KeepStepping:
+    """Steps a session one token at a time until stopped: its lease is never idle."""
+
+    def __init__(self, stream: Any, opened: wire.SessionOpened) -> None:
+        self.stream, self.opened = stream, opened
+        self.running = True
+        self.done = trio.Event()
+
+    async def run(self) -> None:
+        step_id = 0
+        while self.running:
+            await _step(self.stream, self.opened, step_id)
+            step_id += 1
+        self.done.set()
+
+    async def stop(self) -> None:
+        self.running = False
+        await self.done.wait()
+
+
 async def _record(node: Node, peer: str) -> wire.ServerInfo:
     raw = await node.host.new_stream(ID.from_base58(peer), [INFO_PROTOCOL])
     stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
@@ -171,38 +201,59 @@ async def _record(node: Node, peer: str) -> wire.ServerInfo:
 @pytest.mark.multiprocess
 async def test_a_full_daemon_queues_then_refuses_with_a_typed_error(swarm: LocalSwarm) -> None:
     daemon = swarm.daemons[1]  # blocks 10:20, 16384 tokens of cache
-    async with open_node(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"]) as node:
-        await node.connect(parse_peer_maddr(daemon.maddr))
+    addrs = ["/ip4/127.0.0.1/tcp/0"]
+    async with (
+        open_node(create_new_key_pair(), addrs) as node,
+        open_node(create_new_key_pair(), addrs) as first_hog,
+        open_node(create_new_key_pair(), addrs) as second_hog,
+    ):
+        for peer in (node, first_hog, second_hog):
+            await peer.connect(parse_peer_maddr(daemon.maddr))
         record = await _record(node, daemon.peer_id)
         assert (record.max_session_length, record.max_sessions_per_peer) == (8192, 64)
         assert record.max_inflight_bytes_per_peer == 256 << 20
         assert record.free_cache_tokens == 16384
-        # Two sessions of 8192 tokens fill the cache.
-        first, reply = await _open(node, daemon.peer_id, 8192, 0)
-        assert isinstance(reply, wire.SessionOpened)
-        second, reply = await _open(node, daemon.peer_id, 8192, 0)
-        assert isinstance(reply, wire.SessionOpened)
-        started = trio.current_time()
-        _, reply = await _open(node, daemon.peer_id, 1000, 0.5)
-        assert isinstance(reply, wire.Error) and reply.code == wire.ErrorCode.CACHE_FULL_TIMEOUT
-        assert trio.current_time() - started >= 0.5
-        assert "0 of 16384 tokens free" in reply.message and "asks for 1000" in reply.message
-        # A patient session waits in the queue (the record shows it) and gets in when one closes.
+        # One peer may hold half the cache: a second 8192-token session of it is refused.
+        first, first_opened = await _open(first_hog, daemon.peer_id, 8192, 0)
+        assert isinstance(first_opened, wire.SessionOpened)
+        _, reply = await _open(first_hog, daemon.peer_id, 8192, 0)
+        assert isinstance(reply, wire.Error) and reply.code == wire.ErrorCode.OUT_OF_CACHE
+        # Two sessions of 8192 tokens of two peers fill the cache.
+        second, second_opened = await _open(second_hog, daemon.peer_id, 8192, 0)
+        assert isinstance(second_opened, wire.SessionOpened)
         async with trio.open_nursery() as nursery:
+            # Hogs that keep stepping are never idle: a short wait ends in vain.
+            hogs = [_KeepStepping(first, first_opened), _KeepStepping(second, second_opened)]
+            for hog in hogs:
+                nursery.start_soon(hog.run)
+            started = trio.current_time()
+            _, reply = await _open(node, daemon.peer_id, 1000, 0.5)
+            assert isinstance(reply, wire.Error)
+            assert reply.code == wire.ErrorCode.CACHE_FULL_TIMEOUT, reply
+            assert trio.current_time() - started >= 0.5
+            assert "0 of 16384 tokens free" in reply.message and "asks for 1000" in reply.message
+            # A patient session waits in the queue (the record shows it) and gets in once the
+            # first hog stops stepping and its lease lapses; that hog hears why.
             opened: list[Any] = []
 
             async def wait_in_queue() -> None:
                 opened.append(await _open(node, daemon.peer_id, 1000, 30))
 
             nursery.start_soon(wait_in_queue)
-            await trio.sleep(1)
+            await trio.sleep(0.5)
             record = await _record(node, daemon.peer_id)
             assert (record.queued_sessions, record.free_cache_tokens) == (1, 0)
             assert not opened
-            await first.send(wire.CloseSession(session_id="closing"))
-            await first.close()
+            await hogs[0].stop()
+            evicted = await first.receive(30)
+            assert isinstance(evicted, wire.Error)
+            assert evicted.code == wire.ErrorCode.LEASE_EXPIRED, evicted
+            with trio.fail_after(30):
+                while not opened:
+                    await trio.sleep(0.1)
+            await hogs[1].stop()
         assert isinstance(opened[0][1], wire.SessionOpened)
-        for stream in (second, opened[0][0]):
+        for stream in (first, second, opened[0][0]):
             await stream.close()
         with trio.fail_after(10):
             while (await _record(node, daemon.peer_id)).free_cache_tokens != 16384:
