@@ -119,17 +119,28 @@ async def test_a_join_is_checked_live_and_a_leave_keeps_the_server_out(tiny_llam
         assert s1 not in view.records
         view.records[s1] = net.server("s1").record()
 
-        await view.heard_leave(s1)
+        view.heard_leave(s1)
         assert s1 not in view.records and view.has_left(s1)
         # It still answers `info` (draining) and the DHT still lists it: a refresh's look-up
         # finds it, and leaves it out.
         fresh: dict[str, object] = {}
         await view._confirm({s1: PeerInfo(ID.from_base58(s1), [])}, fresh)  # type: ignore[arg-type]
         assert s1 not in fresh
-        # Back again: its own join lets it in (once the rate limit allows a look-up).
+        # Back again: its own join lets it in (once the rate limit allows a look-up), even
+        # while a refresh runs that looked before it was up: what that refresh found replaces
+        # the view at its end, and the server that joined meanwhile stays.
         view._join_heard.clear()
-        assert await view.heard_join(s1)
-        assert s1 in view.records and not view.has_left(s1)
+        async with view._refresh_lock:
+            assert await view.heard_join(s1)
+            assert s1 in view.records and not view.has_left(s1)
+            found: dict[str, ServerRecord] = {}
+            view._settle_presence(found)
+        assert s1 in found
+        # ...and one that leaves while a refresh runs stays out of what it found.
+        view.heard_leave(s1)
+        found = {s1: net.server("s1").record()}
+        view._settle_presence(found)
+        assert not found
 
 
 def test_status_counts_unserved_blocks_at_the_end_of_the_model() -> None:

@@ -120,6 +120,7 @@ class SwarmView:
         self.left: dict[str, float] = {}
         self._join_heard: dict[str, float] = {}
         self._join_lookups = trio.CapacityLimiter(JOIN_LOOKUPS)
+        self._joined_meanwhile: dict[str, ServerRecord] = {}  # while a refresh runs
 
     # --- announcing ---------------------------------------------------------------------------
 
@@ -240,6 +241,7 @@ class SwarmView:
             for peer_id, record in self.records.items():
                 if peer_id not in fresh and peer_id in self.missed and not record.is_expired(now):
                     fresh[peer_id] = record
+            self._settle_presence(fresh)
             gone = set(self.records) - set(fresh)
             if gone:
                 log.info("servers left the swarm view: %s", ", ".join(sorted(gone)))
@@ -277,7 +279,7 @@ class SwarmView:
         await self.heard_join(peer.to_string())
 
     async def _heard_leave_from(self, peer: ID) -> None:
-        await self.heard_leave(peer.to_string())
+        self.heard_leave(peer.to_string())
 
     def _neighbours(self) -> list[ID]:
         """The peers to tell that we joined or leave: the servers in our view, the peers we are
@@ -322,25 +324,34 @@ class SwarmView:
             self._join_lookups.release()
         if record is None or peer_id == self.node.peer_id.to_string():
             return False
-        # After a refresh under way: it would replace the view with what it found without us.
-        async with self._refresh_lock:
-            self.left.pop(peer_id, None)
-            self.records[peer_id] = record
-            self._remember_seen({peer_id: record})
+        self.left.pop(peer_id, None)
+        self.records[peer_id] = record
+        self._remember_seen({peer_id: record})
+        if self._refresh_lock.locked():  # it may have looked before the server was up
+            self._joined_meanwhile[peer_id] = record
         log.info("server %s joined (blocks %d:%d)", peer_id, record.start, record.end)
         return True
 
-    async def heard_leave(self, peer_id: str) -> None:
+    def heard_leave(self, peer_id: str) -> None:
         """The server `peer_id` (the authenticated peer of the stream: nobody can make another
         peer leave) is going: out of the view now, and kept out for 2 refresh periods, however
         the DHT and its draining record still list it."""
         _forget_oldest(self.left)
         self.left[peer_id] = time.time()
-        async with self._refresh_lock:  # after a refresh under way, which may have found it
-            if self.records.pop(peer_id, None) is not None:
-                log.info("server %s left the swarm", peer_id)
-            self.missed.discard(peer_id)
-            self.rtts.forget(peer_id)
+        self._joined_meanwhile.pop(peer_id, None)
+        if self.records.pop(peer_id, None) is not None:
+            log.info("server %s left the swarm", peer_id)
+        self.missed.discard(peer_id)
+        self.rtts.forget(peer_id)
+
+    def _settle_presence(self, fresh: dict[str, ServerRecord]) -> None:
+        """End of a refresh (`fresh`: what it found): a server that said it joined while the
+        refresh ran stays in the view, and one that said it leaves stays out of it."""
+        for peer_id, record in self._joined_meanwhile.items():
+            fresh.setdefault(peer_id, record)
+        self._joined_meanwhile.clear()
+        for peer_id in [p for p in fresh if self.has_left(p)]:
+            del fresh[peer_id]
 
     def _remember_seen(self, fresh: dict[str, ServerRecord]) -> None:
         self.last_seen.update(fresh)
