@@ -343,6 +343,7 @@ class SwarmView:
             log.info("server %s left the swarm", peer_id)
         self.missed.discard(peer_id)
         self.rtts.forget(peer_id)
+        self.speeds.forget(peer_id)
 
     def _settle_presence(self, fresh: dict[str, ServerRecord]) -> None:
         """End of a refresh (`fresh`: what it found): a server that said it joined while the
