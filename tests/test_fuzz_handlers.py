@@ -21,6 +21,7 @@ Seeded, so a failure reproduces; the counts and the slowest case are printed (py
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import math
@@ -42,9 +43,11 @@ from libp2p.peer.id import ID
 import blocks
 import wire
 from peerd.bench.attack_catalogue import INFLATED_TOKENS, amplification_frame, inflating_tensor
+from peerd.daemon.local_api import LocalApi
 from peerd.node.p2p import INFERENCE_PROTOCOL, INFO_PROTOCOL, PUSH_PROTOCOL, TRAINING_PROTOCOL
 from peerd.node.streams import MessageStream
 from peerd.server.block_server import BlockServer
+from peerd.session.generation import Generator
 from peerd.session.inference import InferenceSession
 from peerd.session.swarm import SwarmView
 from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, MemNode, open_memnet, save_tiny_llama
@@ -55,6 +58,7 @@ from wire.packing import MAX_ARRAY_LEN, MAX_DEPTH
 SEED = 20261201
 SERVER_CASES = 500
 HOSTILE_CASES = 66
+API_CASES = 300
 CASE_LIMIT_S = 20.0  # generous: a loaded CI machine; a hang waits for a 300 s idle deadline
 BIG_FRAME_REPEATS = 3
 HIDDEN = 32  # the tiny llama's hidden size
@@ -467,3 +471,143 @@ async def _outputs(
     view.records = net.records(names)
     async with InferenceSession(view, max_length=16) as session:
         return [await session.step(hidden) for hidden in inputs]
+
+
+# --- the local API with a model loaded --------------------------------------------------------
+
+
+class _Listener(trio.abc.Listener[trio.abc.Stream]):
+    """Hands the local API the server ends of in-memory connections."""
+
+    def __init__(self) -> None:
+        self.send, self.incoming = trio.open_memory_channel[trio.abc.Stream](8)
+
+    async def connect(self) -> trio.abc.Stream:
+        client, server = trio.testing.memory_stream_pair()
+        await self.send.send(server)
+        return client
+
+    async def accept(self) -> trio.abc.Stream:
+        return await self.incoming.receive()
+
+    async def aclose(self) -> None:
+        await self.incoming.aclose()
+
+
+def _api_request(rng: random.Random, sessions: list[str]) -> bytes:
+    """One random local API request (tensor widths, token ids, lengths near and past limits)."""
+    kind = rng.choice(["generate", "open", "step", "close", "forward", "backward", "status"])
+    if kind == "generate":
+        body: dict[str, Any] = {"max_new_tokens": _pick(rng, rng.randint(1, 3), 0, 1 << 20)}
+        body["input_ids"] = [_pick(rng, rng.randrange(100), 1 << 30, -1) for _ in range(3)]
+        if rng.random() < 0.3:
+            body["sampling"] = {"do_sample": True, "temperature": _pick(rng, 0.7, 0.0, -1.0, 1e-30)}
+            body["sampling"] |= {"top_p": _pick(rng, 0.9, 0.0, 2.0), "seed": rng.randrange(9)}
+        if rng.random() < 0.2 and sessions:
+            body["session_id"] = rng.choice(sessions)
+        return frame("generate", body)
+    if kind == "open":
+        return frame("open_inference", {"max_length": _pick(rng, 16, 0, 1 << 20, 1 << 40)})
+    session = rng.choice(sessions) if sessions and rng.random() < 0.8 else "nope"
+    if kind == "step":
+        return frame("inference_step", {"session_id": session, "hidden_states": _hidden(rng)})
+    if kind == "close":
+        return frame("close_inference", {"session_id": session})
+    if kind == "forward":
+        return frame(
+            "training_forward", {"hidden_states": _hidden(rng), "keep": rng.random() < 0.5}
+        )
+    if kind == "backward":
+        body = {"forward_id": _pick(rng, "f", uuid.uuid4().hex), "grad_outputs": _hidden(rng)}
+        return frame("training_backward", body)
+    return frame("status_request", {})
+
+
+async def _api_exchange(listener: _Listener, requests: list[bytes]) -> list[str]:
+    """Hello, then `requests` on one connection; what came back until all is quiet."""
+    stream = await listener.connect()
+    decoder = wire.MessageDecoder()
+    replies: list[str] = []
+
+    async def read() -> None:
+        with contextlib.suppress(Exception):  # the end, or a broken reply: not ours to judge
+            while data := await stream.receive_some(1 << 16):
+                decoder.receive_data(data)
+                replies.extend(
+                    f"error:{m.code}" if isinstance(m, wire.Error) else m.TYPE for m in decoder
+                )
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            for data in [bytes(wire.encode_message(wire.Hello())), *requests]:
+                await stream.send_all(data)
+        seen = -1
+        while len(replies) != seen:
+            seen = len(replies)
+            await trio.testing.wait_all_tasks_blocked(cushion=0.002)
+            with trio.move_on_after(QUIET_S):
+                while len(replies) == seen:
+                    await trio.sleep(0.001)
+        nursery.cancel_scope.cancel()
+    await stream.aclose()
+    return replies
+
+
+async def test_the_local_api_with_a_model_loaded_takes_random_requests_and_serves_on(
+    tiny_llama: Path,
+) -> None:
+    """A real LocalApi whose Generator runs the tiny llama over the in-process swarm: random
+    and mutated generate, session, step and training requests, API_CASES connections; no
+    request is answered Error(internal), and a good generation comes out whole afterwards."""
+    checkpoint = tiny_llama_with_tokenizer(tiny_llama)
+    rng = random.Random(SEED)
+    replies: Counter[str] = Counter()
+    async with open_memnet() as net:
+        net.serve("a", blocks.load_span(checkpoint, 0, 3))
+        net.serve("b", blocks.load_span(checkpoint, 3, TINY_BLOCKS))
+        view = SwarmView(net.node("client"), TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
+        view.records = net.records()
+        view.refresh = _no_dht  # type: ignore[method-assign]  # a memnet has no DHT to ask
+        generator = Generator(blocks.load_client_side(checkpoint), view)
+
+        async def get_generator() -> Generator:
+            return generator
+
+        welcome = wire.Welcome(
+            version="0", peer_id="p", model=TINY_MODEL, num_blocks=6, hidden_size=HIDDEN
+        )
+        api = LocalApi(
+            socket_path=checkpoint / "unused.sock",
+            get_generator=get_generator,
+            status=lambda: wire.StatusResponse(peer_id="p", version="0", uptime_s=0.0),
+            welcome=lambda: welcome,
+        )
+        listener = _Listener()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(api.serve_listener, listener)
+            for _ in range(API_CASES):
+                requests = [_api_request(rng, ["nope"]) for _ in range(rng.randint(1, 3))]
+                with trio.fail_after(CASE_LIMIT_S):
+                    replies.update(await _api_exchange(listener, _mutated(rng, requests)))
+            good = frame("generate", {"input_ids": [1, 2, 3], "max_new_tokens": 3})
+            last = await _api_exchange(listener, [good])
+            nursery.cancel_scope.cancel()
+    print(f"{API_CASES} local API connections with a model loaded: {dict(replies.most_common(10))}")
+    assert replies["error:internal"] == 0, replies
+    assert last[-1] == "generate_done", last
+    assert replies["generate_done"] and replies["training_output"]
+
+
+async def _no_dht() -> None:
+    """What SwarmView.refresh finds on a memnet: the records it holds already."""
+
+
+def tiny_llama_with_tokenizer(path: Path) -> Path:
+    """The tiny llama beside the default model's tokenizer (its ids cover the tiny vocabulary)."""
+    from transformers import AutoTokenizer
+
+    if not (path / "tokenizer_config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(blocks.resolve_checkpoint("default"))
+        tokenizer.save_pretrained(path)
+    return path

@@ -98,6 +98,7 @@ class Generations:
         tokenizer = generator.client.tokenizer
         _check_adapter(request, session)
         new_ids = turn_ids(tokenizer, request, session)
+        _check_vocabulary(new_ids, generator.client.embeddings.num_embeddings)
         if session is not None:
             _check_room(session, len(new_ids), request.max_new_tokens)
         row = RowText(tokenizer, request.stop, eos_ids(tokenizer))
@@ -204,6 +205,15 @@ def _session_for(
         )
     except ValueError as e:
         raise ApiError(wire.ErrorCode.BAD_REQUEST, str(e)) from e
+
+
+def _check_vocabulary(ids: list[int], vocabulary: int) -> None:
+    """A program's token ids must name tokens of the model (the embedding look-up would fail)."""
+    if ids and max(ids) >= vocabulary:
+        raise ApiError(
+            wire.ErrorCode.BAD_REQUEST,
+            f"token id {max(ids)} is not in the model's vocabulary: send ids below {vocabulary}",
+        )
 
 
 def _check_adapter(request: wire.Generate, session: ApiSession | None) -> None:
