@@ -11,6 +11,10 @@ takes the window of blocks the swarm serves worst:
    (its weakest block is weakest, then its second weakest, ...);
 4. then the lowest start, so equal swarms always give equal answers.
 
+Other servers' throughputs are self-reported, so they count only as far as routing believes
+them (routing.speeds.believed_snapshot: at most 4 times the swarm's median speed per block): a
+record announcing 1e300 tokens/s would otherwise make every other server leave its blocks.
+
 A running server re-checks now and then (`recheck_delay`) and moves (`better_span`) only when
 that clearly helps the blocks it would leave and join, so servers do not chase noise.
 """
@@ -21,10 +25,14 @@ import math
 import random
 
 from routing.records import SELECTION_STATES, ServerRecord, SwarmSnapshot
+from routing.speeds import believed_snapshot
 
 # A move drains sessions and reloads weights, minutes of lost service; only make it when the
 # weakest affected block gains at least 20%. Below that, throughput measurements are noise.
 DEFAULT_MIN_IMPROVEMENT = 1.2
+# Relative differences below this are rounding, not capacity: believed throughputs (a cap divided
+# by a span length) are rarely exact in binary, and a move must not chase their crumbs.
+_FLOAT_NOISE = 1e-9
 # Re-check about every 2 minutes per server (with jitter): fast enough to fill a hole left by a
 # departing server before users notice, slow enough that DHT lookups stay a trickle.
 DEFAULT_RECHECK_PERIOD_S = 120.0
@@ -45,6 +53,13 @@ def choose_blocks(
         raise ValueError(f"num_blocks_to_serve must be >= 1, got {num_blocks_to_serve}")
     if not (math.isfinite(own_throughput) and own_throughput >= 0):
         raise ValueError(f"own_throughput must be finite and >= 0, got {own_throughput!r}")
+    return _choose(believed_snapshot(snapshot), num_blocks_to_serve, own_throughput)
+
+
+def _choose(
+    snapshot: SwarmSnapshot, num_blocks_to_serve: int, own_throughput: float
+) -> tuple[int, int]:
+    """choose_blocks over throughputs already believed."""
     throughputs, counts = snapshot.coverage(states=SELECTION_STATES)
     num_blocks = snapshot.num_blocks
     width = min(num_blocks_to_serve, num_blocks)
@@ -96,9 +111,12 @@ def better_span(
     """
     if not min_improvement >= 1:
         raise ValueError(f"min_improvement must be >= 1, got {min_improvement!r}")
-    own = my_record.throughput
-    others = snapshot.without(my_record.peer_id)
-    candidate = choose_blocks(others, my_record.num_blocks, own)
+    # Believed once, over the whole swarm (this server too), so that the median stays put
+    # while servers move and each move improves the swarm as selection sees it.
+    believed = believed_snapshot(snapshot.with_record(my_record))
+    own = believed.by_peer[my_record.peer_id].throughput
+    others = believed.without(my_record.peer_id)
+    candidate = _choose(others, my_record.num_blocks, own)
     if candidate == my_record.span:
         return None
 
@@ -117,7 +135,8 @@ def better_span(
     joined = min(throughputs[b] for b in joining)
     weakest_now = min(left + own, joined)
     weakest_moved = min(left, joined + own)
-    if weakest_moved > min_improvement * weakest_now or left > min_improvement * weakest_moved:
+    bar = min_improvement * (1 + _FLOAT_NOISE)
+    if weakest_moved > bar * weakest_now or left > bar * weakest_moved:
         return candidate
     return None
 

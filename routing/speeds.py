@@ -16,16 +16,20 @@ take every route through its blocks. Routing therefore plans with a *credible* t
 Speeds are compared per block (throughput * span length): throughput is per whole span, so a
 server with a longer span announces less for the same speed per block.
 
+Block selection sums the same credible throughputs (`believed_snapshot`), so a lying record
+cannot make its blocks look so well served that every other server moves away from them.
+
 `StepSpeeds` is the measuring side: a `Mapping[peer_id, seconds]` of the smoothed seconds one
 token spends in one of a server's blocks, as `plan_route(measured=...)` takes it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Iterator, Mapping
 
-from routing.records import ROUTABLE_STATES, ServerRecord
+from routing.records import ROUTABLE_STATES, ServerRecord, SwarmSnapshot
 from routing.rtt import DEFAULT_ALPHA
 
 # How far above what we measured an announced throughput is still believed. A step's time
@@ -117,3 +121,21 @@ def credible_throughputs(
             cap = unmeasured_cap
         credible[r.peer_id] = min(r.throughput, cap / r.num_blocks)
     return credible
+
+
+def believed_snapshot(
+    snapshot: SwarmSnapshot, measured: Mapping[str, float] | None = None
+) -> SwarmSnapshot:
+    """`snapshot` with each record's throughput lowered to the credible one, for decisions that
+    sum throughputs (block selection): one lying record must not make its blocks look so well
+    served that every other server leaves them to it."""
+    believed = credible_throughputs(snapshot.records, measured)
+    records = tuple(
+        r
+        if believed[r.peer_id] == r.throughput
+        else dataclasses.replace(r, throughput=believed[r.peer_id])
+        for r in snapshot.records
+    )
+    if records == snapshot.records:
+        return snapshot
+    return SwarmSnapshot(snapshot.model, snapshot.num_blocks, records)

@@ -3,11 +3,13 @@ routing.speeds, and StepSpeeds' measuring."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
 import pytest
 
+from routing.block_selection import better_span, choose_blocks
 from routing.planner import plan_route
 from routing.records import ServerRecord, ServerState
 from routing.speeds import (
@@ -129,3 +131,26 @@ def test_step_speeds_refuse_nonsense(seconds: float) -> None:
         StepSpeeds().record("a", blocks=1, tokens=1, seconds=seconds)
     with pytest.raises(ValueError, match="alpha"):
         StepSpeeds(alpha=0.0)
+
+
+def test_a_lying_record_does_not_empty_its_blocks_of_other_servers() -> None:
+    # Blocks 0:10 held by three honest servers and a liar, 10:20 by three: the liar used to
+    # make 0:10 look so well served that each honest server there moved away, one after the
+    # other, leaving every route through 0:10 to the liar.
+    records = [
+        *(make_record(f"a{i}", 0, 10, throughput=10.0) for i in range(3)),
+        *(make_record(f"b{i}", 10, 20, throughput=10.0) for i in range(3)),
+        make_record("liar", 0, 10, throughput=LIE),
+    ]
+    snap = make_snapshot(20, *records)
+    for _ in range(len(records)):  # let every server re-check until nobody moves
+        for record in sorted(snap.records, key=lambda r: r.peer_id):
+            if record.peer_id != "liar" and (span := better_span(snap, record)) is not None:
+                snap = snap.with_record(dataclasses.replace(record, start=span[0], end=span[1]))
+    honest_on_liars_blocks = [r for r in snap.records if r.start == 0 and r.peer_id != "liar"]
+    assert honest_on_liars_blocks
+    # ...and a new server joins the liar's blocks when they are held by the liar alone and
+    # other blocks by fewer than 4 servers' worth more: it counts the liar as 4 median servers.
+    alone = [make_record("liar", 0, 10, LIE)]
+    alone += [make_record(f"b{i}", 10, 20, throughput=10.0) for i in range(6)]
+    assert choose_blocks(make_snapshot(20, *alone), 10, 10.0) == (0, 10)
