@@ -306,6 +306,8 @@ async def _run(rig: Rig, specs: list[AttackSpec], baseline_runs: int) -> dict[st
                 if revived:
                     report["restarted"] = revived
                 attacks.append(report)
+                verdict = "held" if report["held"] else "NOT held"
+                print(f"peerd bench attack: {spec.name}: {verdict}", file=sys.stderr, flush=True)
             nursery.cancel_scope.cancel()
     return {
         "model": rig.model,

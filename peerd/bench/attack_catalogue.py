@@ -291,14 +291,15 @@ async def _through_fake(rig: Rig, mode: str) -> dict[str, Any]:
 async def malformed_frames(rig: Rig) -> dict[str, Any]:
     rng = random.Random(17)
     good = bytes(wire.encode_message(wire.InfoRequest()))
-    deep = b"\x91" * 40 + b"\x80"  # arrays 40 deep
+    deep = b"\x91" * 40 + b"\x80"  # arrays 40 deep, as the body of an info_request
+    envelope = b"\x83\xa8protocol\x01\xa4type\xacinfo_request\xa4body"
     payloads = {
         "4 GiB length": b"\xff\xff\xff\xff" + bytes(64),
         "random bytes": bytes(rng.randrange(256) for _ in range(200)),
         "not a map": struct.pack(">I", 3) + b"\x93\x01\x02",
         "unknown type": wire.encode_frame({"protocol": 1, "type": "nonsense", "body": {}}),
         "future protocol": wire.encode_frame({"protocol": 99, "type": "info_request", "body": {}}),
-        "40 deep": struct.pack(">I", len(deep) + 6) + b"\x81\xa4body" + deep,
+        "40 deep": struct.pack(">I", len(envelope) + len(deep)) + envelope + deep,
         "truncated": good[: len(good) - 2],
     }
     replies: dict[str, str] = {}

@@ -1,0 +1,29 @@
+"""The security review's attack catalogue (peerd.bench.attack) against one real swarm of three
+daemons while an honest client generates: after every attack all daemons still run and every
+honest generation came out right. Timing and memory are the benchmark's to report
+(`peerd bench attack --json`), not asserted here: a loaded CI machine would make them flake."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from peerd.bench.attack import run_attack_bench
+from peerd.bench.attack_catalogue import CATALOGUE
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.timeout(1200)  # ~2 min on an idle 2-core machine; far more on a shared, loaded one
+def test_every_attack_leaves_the_daemons_alive_and_the_honest_client_served() -> None:
+    # Floods of one second and generations of two tokens: the catalogue fits a CI minute.
+    report = run_attack_bench(attack_s=1.0, new_tokens=2, baseline_runs=1)
+    print(json.dumps(report, indent=1))
+    assert [a["name"] for a in report["attacks"]] == [spec.name for spec in CATALOGUE]
+    broken = {
+        a["name"]: {k: a.get(k) for k in ("dead", "honest_errors", "detail", "dead_log_tail")}
+        for a in report["attacks"]
+        if not (a["daemon_alive"] and a["honest_ok"]) or "attack_error" in a["detail"]
+    }
+    assert not broken, json.dumps(broken, indent=1)
