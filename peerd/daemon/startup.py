@@ -1,5 +1,5 @@
 """What a daemon checks before it loads anything (its initial peers, its local API socket, its
-identity), and which failures are the user's to fix: those reach them as one line, never as a
+TCP ports, its identity), and which failures are the user's to fix: those reach them as one line, never as a
 traceback through the daemon's nurseries. A second daemon started beside a first either gets its
 own identity (derived from its socket) or is refused at once, saying which flag to give it.
 
