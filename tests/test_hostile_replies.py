@@ -52,6 +52,12 @@ def _with_value(result: wire.StepResult, value: float) -> bytes:
     return frame.replace(marker, struct.pack("<f", value))
 
 
+def _huge(hidden: torch.Tensor) -> torch.Tensor:
+    """Finite as sent (float64), inf in the client's float32."""
+    hidden[0, 0, 0] = 1e300
+    return hidden
+
+
 TAMPERS: dict[str, Tamper] = {
     "narrower": lambda r: _with_hidden(r, r.hidden_states[..., :-1]),
     "wider": lambda r: _with_hidden(r, torch.cat([r.hidden_states, r.hidden_states], dim=2)),
@@ -59,6 +65,7 @@ TAMPERS: dict[str, Tamper] = {
     "fewer tokens": lambda r: _with_hidden(r, r.hidden_states[:, 1:]),  # the prompt has 4
     "nan": lambda r: _with_value(r, float("nan")),
     "inf": lambda r: _with_value(r, float("-inf")),
+    "float64 past float32": lambda r: _with_hidden(r, _huge(r.hidden_states.double())),
     "another step id": lambda r: bytes(
         wire.encode_message(
             wire.StepResult(

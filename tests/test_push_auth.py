@@ -129,6 +129,17 @@ def test_a_reply_with_values_that_are_not_finite_is_bad(value: float) -> None:
         conv.received(result)
 
 
+def test_a_reply_in_another_dtype_must_be_finite_in_the_steps_dtype() -> None:
+    conv = _client()
+    conv.sent_step(0, (1, 1, 4), torch.float32)
+    assert isinstance(conv.received(_result(0, torch.ones(1, 1, 4, dtype=torch.float64))), StepDone)
+    conv.sent_step(1, (1, 1, 4), torch.float32)
+    huge = torch.ones(1, 1, 4, dtype=torch.float64)
+    huge[0, 0, 1] = 1e300  # finite as sent, inf once in float32
+    with pytest.raises(BadReply, match="not finite"):
+        conv.received(_result(1, huge))
+
+
 # --- against real servers -----------------------------------------------------------------------
 
 

@@ -325,6 +325,7 @@ class ClientInference:
     last_step_id: int = -1
     owed: int | None = None  # the step whose reply we wait for
     owed_shape: tuple[int, ...] | None = None  # its input's shape, which its reply must have
+    owed_dtype: torch.dtype | None = None  # its input's dtype, in which the reply is used
     abandoned: set[int] = field(default_factory=set)  # steps whose late replies we drop
 
     @property
@@ -355,7 +356,9 @@ class ClientInference:
             # A server answers in order: replies to steps before this one will never come.
             self.abandoned = {s for s in self.abandoned if s > result.step_id}
             if self.owed_shape is not None:
-                check_step_output(result.hidden_states, self.owed_shape, result.step_id)
+                check_step_output(
+                    result.hidden_states, self.owed_shape, result.step_id, self.owed_dtype
+                )
             return StepDone(result)
         if result.step_id in self.abandoned:
             self.abandoned.discard(result.step_id)
@@ -367,10 +370,12 @@ class ClientInference:
             f"{self.owed})"
         )
 
-    def sent_step(self, step_id: int, shape: tuple[int, ...] | None = None) -> None:
+    def sent_step(
+        self, step_id: int, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
+    ) -> None:
         """A step for this session was sent to its server (or pushed there on our behalf),
-        its input of `shape` (None: its reply's shape is not checked); any earlier step still
-        unanswered is given up on."""
+        its input of `shape` and `dtype` (None: its reply is not checked); any earlier step
+        still unanswered is given up on."""
         if self.phase is not Phase.OPEN:
             raise OutOfTurn(f"cannot step a session that is {self.phase.value}")
         if step_id <= self.last_step_id:
@@ -380,7 +385,8 @@ class ClientInference:
             )
         if self.owed is not None:
             self.abandoned.add(self.owed)
-        self.last_step_id, self.owed, self.owed_shape = step_id, step_id, shape
+        self.last_step_id, self.owed = step_id, step_id
+        self.owed_shape, self.owed_dtype = shape, dtype
 
     def cancelled(self, step_id: int) -> None:
         """We stopped waiting for `step_id`'s reply: it is dropped when it comes."""
@@ -401,14 +407,19 @@ class ClientInference:
             )
 
 
-def check_step_output(hidden: torch.Tensor, shape: tuple[int, ...], step_id: int) -> None:
+def check_step_output(
+    hidden: torch.Tensor, shape: tuple[int, ...], step_id: int, dtype: torch.dtype | None = None
+) -> None:
     """BadReply unless `hidden` (a reply to step `step_id`) has `shape`, its input's, and only
-    finite values. The schema already holds it to 3 floating dimensions."""
+    finite values, also once in `dtype` (the input's: a float64 1e300 is inf in float32). The
+    schema already holds it to 3 floating dimensions."""
     if tuple(hidden.shape) != tuple(shape):
         raise BadReply(
             f"the reply to step {step_id} has hidden states of shape {list(hidden.shape)}; the "
             f"step's input was {list(shape)} and a span's output has its input's shape"
         )
+    if dtype is not None:
+        hidden = hidden.to(dtype)
     if not bool(torch.isfinite(hidden).all()):
         raise BadReply(f"the reply to step {step_id} has hidden states that are not finite")
 

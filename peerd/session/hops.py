@@ -121,7 +121,8 @@ class HopSession:
     ) -> torch.Tensor:
         step_id = next(self.step_ids)
         await self.send_step(hidden, codec, step_id, start_position)
-        return (await self.receive_result(step_id)).hidden_states
+        # In our dtype, whatever floating type the server chose to send.
+        return (await self.receive_result(step_id)).hidden_states.to(hidden.dtype)
 
     async def send_step(
         self,
@@ -139,7 +140,7 @@ class HopSession:
             start_position=start_position,
             next_hops=next_hops,
         )
-        self.conversation.sent_step(step_id, tuple(hidden.shape))
+        self.conversation.sent_step(step_id, tuple(hidden.shape), hidden.dtype)
         # Shielded: a cancel half-way through a frame would leave the stream unreadable for
         # the server, which would then end the session as broken.
         with trio.CancelScope(shield=True):
@@ -149,10 +150,10 @@ class HopSession:
             except trio.TooSlowError as e:
                 raise PeerGone(f"{self.peer_id} took no step for {self.timeout:.0f} s") from e
 
-    def expect(self, step_id: int, shape: tuple[int, ...]) -> None:
+    def expect(self, step_id: int, like: torch.Tensor) -> None:
         """A step pushed to this hop by the previous server (its input, like every hop's, of
-        `shape`): its reply comes on our stream."""
-        self.conversation.sent_step(step_id, shape)
+        the shape and dtype of `like`): its reply comes on our stream."""
+        self.conversation.sent_step(step_id, tuple(like.shape), like.dtype)
 
     async def receive_result(self, step_id: int) -> wire.StepResult:
         """The reply to `step_id`, dropping late replies to steps abandoned before it; a step

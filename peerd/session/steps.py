@@ -96,7 +96,7 @@ class StepRunner:
         chain = tuple(hop.as_next_hop() for hop in hops[1:])
         for hop in hops[1:]:
             # Their replies to the pushed step come on their streams, shaped as its input.
-            hop.expect(step_id, tuple(hidden.shape))
+            hop.expect(step_id, hidden)
         sent = time.perf_counter()
         try:
             await hops[0].send_step(hidden, self.codec, step_id, next_hops=chain)
@@ -112,7 +112,7 @@ class StepRunner:
             self.route.swarm.report_success(hop.peer_id)
             if i == 0:  # a later hop's input comes when the hop before it pushes: not timed
                 _record_step(self.route, hop.hop, hidden, sent)
-            hidden = result.hidden_states
+            hidden = result.hidden_states.to(hidden.dtype)  # ours, whatever the server sent
             if result.push_failed and i + 1 < len(hops):
                 return i + 1, hidden
         return len(hops), hidden
