@@ -93,7 +93,8 @@ def run_chat(
     out.write(f"peerd chat with {client.welcome.model} through {len(route)} servers. {HELP}\n")
     out.flush()
     source = iter(lines) if lines is not None else None
-    remember = line_editing(chat_history_path()) if source is None else (lambda line: None)
+    at_terminal = source is None and sys.stdin.isatty()
+    remember = line_editing(chat_history_path()) if at_terminal else (lambda line: None)
     while True:
         try:
             if source is not None:
