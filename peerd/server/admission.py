@@ -46,7 +46,8 @@ LEASE_IDLE_S = 5.0
 # the wait of the request at the head of the queue; a generation longer than this is evicted
 # under contention and its client replays it.
 LEASE_TERM_S = 30.0
-# The share of the cache one peer's sessions (open or queued) may reserve.
+# The share of the cache one peer's sessions (open or queued) may reserve (its first session
+# alone may ask for more).
 MAX_CACHE_SHARE = 0.5
 # Training requests (Forward, Backward) one peer may have queued or running here at once, and
 # all peers together: each holds its tensors until answered and takes turns on the device.
@@ -232,7 +233,9 @@ class Admission:
     def _check_share(self, peer: str, asked: int, budget: int) -> None:
         share = int(self.max_cache_share * budget)
         held = self.leased_tokens_of(peer)
-        if held + asked > share:
+        # A peer's one session may always ask (up to the whole cache): otherwise a session
+        # longer than the share could never be served at all.
+        if held and held + asked > share:
             raise Refused(
                 wire.ErrorCode.OUT_OF_CACHE,
                 f"peer {peer} holds or waits for {held} of this server's {budget} cache tokens "
