@@ -133,3 +133,20 @@ async def test_a_stale_socket_of_another_user_is_not_replaced(tmp_path: Path) ->
         assert _mode(stale) == 0o600 and stat.S_ISSOCK(os.lstat(stale).st_mode)
     finally:
         await listener.aclose()
+
+
+def test_peerd_commands_say_what_is_wrong_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    loose = tmp_path / "run"
+    loose.mkdir()
+    os.chmod(loose, 0o777)
+    monkeypatch.delenv("PEERD_SOCKET", raising=False)
+    monkeypatch.setenv("PEERD_RUNTIME_DIR", str(loose))
+    result = CliRunner().invoke(app, ["status"])
+    assert result.exit_code == 2, result.output
+    assert f"chmod 700 {loose}" in result.output and "Traceback" not in result.output
