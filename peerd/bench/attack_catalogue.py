@@ -20,6 +20,7 @@ import trio
 import wire
 from peerd.bench.attack import AttackSpec, Rig
 from peerd.bench.attack_peers import (
+    FAKE_PATIENCE_S,
     HOSTILE_MODES,
     crafted,
     fake_server,
@@ -40,6 +41,7 @@ AMPLIFICATION_FRAMES = 3
 # The review's lz4 inflation: three tensors of ~255 MiB each from a ~3 MiB frame, five times.
 INFLATED_TOKENS = 116_000  # x 576 x 4 bytes = 255 MiB
 INFLATION_FRAMES = 5
+NOT_ROUTED = "no honest route went through the fake server: nothing tested"
 HOG_TOKENS = 8192
 FLOOD_TOKENS = 4096
 FLOOD_STREAMS_PER_PEER = 4
@@ -266,7 +268,7 @@ async def _through_fake(rig: Rig, mode: str) -> dict[str, Any]:
     assert rig.honest is not None
     async with fake_server(rig, mode) as fake:
         started = time.monotonic()
-        with trio.move_on_after(max(60.0, rig.attack_s)):
+        with trio.move_on_after(max(FAKE_PATIENCE_S, rig.attack_s)):
             # Until it was used (twice for the lie: one session may be a route's first try).
             while (
                 fake.sessions < (2 if mode == "relay" else 1)
@@ -284,7 +286,7 @@ async def _through_fake(rig: Rig, mode: str) -> dict[str, Any]:
     if fake.errors:
         detail["fake_errors"] = fake.errors[:3]
     if fake.sessions == 0:
-        detail["attack_error"] = "no honest route went through the fake server: nothing tested"
+        detail["attack_error"] = NOT_ROUTED
     return detail
 
 
