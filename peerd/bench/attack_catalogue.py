@@ -295,7 +295,7 @@ async def malformed_frames(rig: Rig) -> dict[str, Any]:
     good = bytes(wire.encode_message(wire.InfoRequest()))
     deep = b"\x91" * 40 + b"\x80"  # arrays 40 deep, as the body of an info_request
     envelope = b"\x83\xa8protocol\x01\xa4type\xacinfo_request\xa4body"
-    payloads = {
+    payloads: dict[str, bytes | memoryview] = {
         "4 GiB length": b"\xff\xff\xff\xff" + bytes(64),
         "random bytes": bytes(rng.randrange(256) for _ in range(200)),
         "not a map": struct.pack(">I", 3) + b"\x93\x01\x02",
@@ -320,12 +320,10 @@ async def malformed_frames(rig: Rig) -> dict[str, Any]:
 
 async def oversize_tensors(rig: Rig) -> dict[str, Any]:
     h = rig.hidden_size
-    huge_header = {"dtype": "float32", "shape": [1 << 20, 1 << 20, h], "codec": "raw"}
-    huge_header |= {"lz4": False, "data": b"\x00" * 16}
-    frame = wire.encode_frame(
-        {"protocol": 1, "type": "forward", "body": {"model": rig.model, "start": 0, "end": 10}}
-        | {"hidden_states": huge_header}
-    )
+    huge: dict[str, Any] = {"dtype": "float32", "shape": [1 << 20, 1 << 20, h], "codec": "raw"}
+    huge |= {"lz4": False, "data": b"\x00" * 16}
+    body = {"model": rig.model, "start": 0, "end": 10, "hidden_states": huge}
+    frame = wire.encode_frame({"protocol": 1, "type": "forward", "body": body})
     stream = await raw_stream(rig.attackers[0], _s0(rig), TRAINING_PROTOCOL)
     await write_raw(stream, frame)
     replies = {"tensor of 2^40 x 576 floats": await outcome(stream)}

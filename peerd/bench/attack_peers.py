@@ -60,7 +60,7 @@ async def write_raw(stream: MessageStream, data: bytes | memoryview) -> None:
     that refuses a frame from its length may reset the stream while the rest is on its way: the
     next `outcome` then says `closed`."""
     with contextlib.suppress(StreamError, trio.BrokenResourceError, trio.ClosedResourceError):
-        await stream.stream.write(bytes(data))  # type: ignore[arg-type]
+        await stream.stream.write(bytes(data))
 
 
 def crafted(kind: str, **body: Any) -> bytes:
@@ -256,9 +256,6 @@ class FakeServer:
         self, hops: tuple[wire.NextHop, ...], step_id: int, hidden: torch.Tensor
     ) -> bool:
         target = hops[0]
-        extra = {}
-        if getattr(target, "push_token", None) is not None:  # when the wire carries one
-            extra["push_token"] = target.push_token  # type: ignore[attr-defined]
         try:
             stream = self._pushes.get(target.peer_id)
             if stream is None:
@@ -271,7 +268,7 @@ class FakeServer:
                 step_id=step_id,
                 hidden_states=hidden,
                 next_hops=hops[1:],
-                **extra,
+                push_token=target.push_token,  # the session's token, as its client gave it us
             )
             with trio.fail_after(5):
                 await stream.send(step)
