@@ -222,6 +222,18 @@ async def test_an_evicted_session_hears_why_and_its_client_replays_elsewhere(
         assert_close_scaled(torch.cat(outputs, dim=1), whole(torch.cat(steps, dim=1)))
 
 
+async def test_the_record_counts_cache_held_by_lapsed_leases_as_free(leased_net: MemNet) -> None:
+    """Routing skips a server whose record shows too little free cache, so an honest client never
+    even queued at a server hogged by idle sessions ("out of cache" after 32 s)."""
+    server = leased_net.server("tail-1")
+    held = await _open_raw(leased_net, "hog", "tail-1", 64)
+    assert isinstance(await held.receive(TIMEOUT_S), wire.SessionOpened)
+    assert server.cache is not None and server.cache.free_tokens == 0
+    # Idle (lease_idle_s is 0 here): all 64 tokens are there for whoever asks.
+    assert server.record().free_cache_tokens == 64
+    await held.close()
+
+
 async def test_an_evicted_session_gets_a_typed_error_on_its_stream(leased_net: MemNet) -> None:
     held = await _open_raw(leased_net, "someone", "tail-1", 32)
     assert isinstance(await held.receive(TIMEOUT_S), wire.SessionOpened)

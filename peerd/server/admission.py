@@ -244,6 +244,16 @@ class Admission:
                 "or use another server",
             )
 
+    def reclaimable_tokens(self) -> int:
+        """Cache tokens a waiting request could have now: those of lapsed leases, and of
+        evicted sessions not yet closed (routing counts them as free)."""
+        now = trio.current_time()
+        return sum(
+            lease.tokens
+            for lease in self._leases
+            if lease.evicted or (lease.evict is not None and self._lapsed(lease, now))
+        )
+
     def _lapsed(self, lease: Lease, now: float) -> bool:
         return lease.idle_s(now) >= self.lease_idle_s or now - lease.opened_at >= self.lease_term_s
 

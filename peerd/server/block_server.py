@@ -201,11 +201,13 @@ class BlockServer:
         )
 
     def _free_cache_tokens(self) -> int:
-        """Free cache less what the queued requests wait for: routing should not send a new
-        session to a server whose free cache is already promised."""
+        """Free cache, plus what lapsed leases would give up for a waiting request, less what the
+        queued requests wait for: routing should not send a new session to a server whose free
+        cache is already promised, nor skip one whose cache is only held by idle sessions."""
         if self.cache is None:
             return 0
-        return max(0, self.cache.free_tokens - self.admission.queued_tokens)
+        free = self.cache.free_tokens + self.admission.reclaimable_tokens()
+        return max(0, free - self.admission.queued_tokens)
 
     @property
     def open_sessions(self) -> int:
