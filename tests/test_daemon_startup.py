@@ -18,7 +18,7 @@ import pytest
 import blocks
 from peerd.daemon import startup
 from peerd.daemon.main import DaemonConfig, DaemonError, run
-from peerd.devtools.localswarm import ROOT, DaemonProcess
+from peerd.devtools.localswarm import ROOT, DaemonProcess, LocalSwarm
 from peerd.node.identity import IdentityInUse, hold_identity, peer_id_of
 from peerd.sdk.client import Client
 
@@ -65,7 +65,7 @@ def test_a_held_identity_is_refused_to_a_second_holder_until_released(tmp_path: 
             [sys.executable, "-c", "import sys; from pathlib import Path; "
              "from peerd.node.identity import hold_identity; hold_identity(Path(sys.argv[1]))",
              str(path)],
-            capture_output=True, text=True, cwd=ROOT, timeout=120,
+            capture_output=True, text=True, cwd=ROOT, timeout=300,
         )  # fmt: skip
         assert other.returncode != 0 and "IdentityInUse" in other.stderr
     with hold_identity(path) as again:  # released: the same peer id again
@@ -117,7 +117,7 @@ def test_a_port_in_use_is_one_line_not_an_exception_group(dirs: Path) -> None:
 def test_peerd_start_on_a_busy_socket_exits_2_with_one_line(dirs: Path, busy_socket: Path) -> None:
     started = subprocess.run(
         [sys.executable, "-m", "cli", "start", "--new-swarm", "--socket", str(busy_socket)],
-        capture_output=True, text=True, cwd=ROOT, timeout=120, env=dict(os.environ),
+        capture_output=True, text=True, cwd=ROOT, timeout=300, env=dict(os.environ),
     )  # fmt: skip
     assert started.returncode == 2, started.stderr
     assert started.stderr.splitlines() == [
@@ -126,7 +126,7 @@ def test_peerd_start_on_a_busy_socket_exits_2_with_one_line(dirs: Path, busy_soc
     ]
 
 
-def _wait_until_every_block_is_served(socket_path: Path, timeout: float = 120.0) -> None:
+def _wait_until_every_block_is_served(socket_path: Path, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     with Client(socket_path) as client:
         while True:
@@ -151,39 +151,38 @@ class _OwnSocketOnly(DaemonProcess):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_two_daemons_differing_only_in_socket_are_two_peers(dirs: Path) -> None:
-    common = ["--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--refresh-period", "2",
-              "--torch-threads", "1", "--throughput", "20"]  # fmt: skip
+def test_two_daemons_differing_only_in_socket_are_two_peers(swarm: LocalSwarm, dirs: Path) -> None:
+    """Two more daemons join the session's swarm as a user would start them beside a first: one
+    serving a block, one a pure client, nothing but --socket set apart."""
+    common = ["--initial-peers", swarm.initial_peers[0], "--host-maddrs", "/ip4/127.0.0.1/tcp/0",
+              "--refresh-period", "2", "--torch-threads", "1", "--throughput", "20"]  # fmt: skip
     env = {"PEERD_STATE_DIR": str(dirs / "state"), "PEERD_RUNTIME_DIR": str(dirs / "run")}
 
-    def daemon(name: str, args: list[str]) -> _OwnSocketOnly:
+    def daemon(name: str, blocks: str) -> _OwnSocketOnly:
         return _OwnSocketOnly(
-            name=name, args=[*args, *common], identity=dirs / "unused.key", env=env,
+            name=name, args=["--blocks", blocks, *common], identity=dirs / "unused.key", env=env,
             socket=dirs / f"{name}.sock", log_path=dirs / f"{name}.log",
         )  # fmt: skip
 
-    first = daemon("a", ["--new-swarm", "--blocks", "0:15"]).start()
+    first = daemon("a", "29:30").start(timeout=300)
     try:
-        second = daemon("b", ["--initial-peers", first.maddr, "--blocks", "15:30"]).start()
+        second = daemon("b", "none").start(timeout=300)
         try:
             assert first.peer_id != second.peer_id
-            for each in (first, second):
-                _wait_until_every_block_is_served(each.socket)
             answers = []
             for each in (first, second):
+                _wait_until_every_block_is_served(each.socket)
                 with Client(each.socket) as client:
                     answers.append(client.generate("The capital of France is", max_new_tokens=4))
             assert answers[0] == answers[1] and answers[0].strip()
+            # A third on the first one's identity file is refused at once, naming another.
             taken = next((dirs / "state").glob("identity-a-*.key"))  # first's, from its socket
-            same_identity = subprocess.run(
-                [sys.executable, "-m", "cli", "start", "--new-swarm", "--socket",
-                 str(dirs / "c.sock"), "--identity", str(taken)],
-                capture_output=True, text=True, cwd=ROOT, timeout=120, env={**os.environ, **env},
-            )  # fmt: skip
-            assert same_identity.returncode == 2
-            assert len(same_identity.stderr.splitlines()) == 1
-            assert "is in use by another peerd daemon" in same_identity.stderr
-            assert "give this one --identity" in same_identity.stderr
+            config = DaemonConfig(new_swarm=True, identity=taken, socket=dirs / "c.sock")
+            with pytest.raises(DaemonError, match="is in use by another peerd daemon") as refused:
+                run(config)
+            assert f"give this one --identity {startup.identity_for_socket(dirs / 'c.sock')}" in (
+                str(refused.value)
+            )
         finally:
             second.kill()
     finally:

@@ -58,7 +58,7 @@ def _cli_generate(swarm: LocalSwarm, *flags: str) -> str:
     run = subprocess.run(
         [sys.executable, "-m", "cli", "generate", PROMPT, "--max-new-tokens", str(NEW_TOKENS),
          "--do-sample", "--socket", str(swarm.daemons[1].socket), *flags],
-        capture_output=True, text=True, timeout=120, check=True, cwd=ROOT,
+        capture_output=True, text=True, timeout=300, check=True, cwd=ROOT,
     )  # fmt: skip
     return run.stdout
 
