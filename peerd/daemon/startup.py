@@ -1,7 +1,8 @@
 """What a daemon checks before it loads anything (its initial peers, its local API socket, its
-TCP ports, its identity), and which failures are the user's to fix: those reach them as one line, never as a
-traceback through the daemon's nurseries. A second daemon started beside a first either gets its
-own identity (derived from its socket) or is refused at once, saying which flag to give it.
+TCP ports, its identity), and which failures are the user's to fix: those reach them as one
+line, never as a traceback through the daemon's nurseries. A second daemon started beside a
+first either gets its own identity (derived from its socket) or is refused at once, saying which
+flag to give it.
 
 Identities: the daemon on the default socket keeps `$PEERD_STATE_DIR/identity.key` (what every
 earlier version used, so a volunteer keeps their peer id); a daemon on any other `--socket` gets
