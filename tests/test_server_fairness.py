@@ -401,13 +401,15 @@ async def test_the_training_token_cap_follows_the_measured_speed(server: BlockSe
     PASS_BUDGET_S at the speed the server measured on its own slices."""
     pace = training.TrainingPace()
     assert pace.max_tokens(4, 8192) == 8192  # nothing measured: the configured limit
-    pace.observe(token_blocks=4000, seconds=1.0)  # 4000 token-blocks of forward per second
+    pace.observe(tokens=100, forwards=1.0, seconds=10.0)  # mostly overhead: not counted
+    assert pace.max_tokens(4, 8192) == 8192
+    pace.observe(tokens=1000, forwards=4.0, seconds=1.0)  # 4000 token-blocks of forward a second
     # A backward over 10 blocks costs 4 forwards: 60 s x 4000 / (4 x 10) = 6000 tokens.
     assert pace.max_tokens(10, 8192) == 6000
     assert pace.max_tokens(30, 8192) == 2000
     assert pace.max_tokens(10_000, 8192) == training.MIN_TRAINING_TOKENS
 
-    server.training_pace.observe(token_blocks=100 * training.BACKWARD_COST * 4, seconds=60.0)
+    server.training_pace.observe(tokens=400, forwards=training.BACKWARD_COST, seconds=60.0)
     with pytest.raises(wire.ProtocolError) as refused:
         await server.run_training(
             wire.Forward(

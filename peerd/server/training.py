@@ -54,15 +54,18 @@ MIN_TRAINING_TOKENS = 256
 
 class TrainingPace:
     """How fast this server runs training slices: token-blocks of forward per second, smoothed
-    over the slices run so far (a backward slice counts as BACKWARD_COST - 1 forwards)."""
+    over the slices of at least MIN_TRAINING_TOKENS tokens run so far (smaller ones are mostly
+    per-call overhead and would understate the speed of the big requests the cap is for)."""
 
     def __init__(self) -> None:
         self.rate = 0.0  # 0: nothing measured yet
 
-    def observe(self, token_blocks: float, seconds: float) -> None:
-        if seconds <= 0 or token_blocks <= 0:
+    def observe(self, tokens: int, forwards: float, seconds: float) -> None:
+        """A slice of `tokens` tokens through one block, worth `forwards` forward passes (a
+        backward slice: BACKWARD_COST - 1), took `seconds`."""
+        if seconds <= 0 or tokens < MIN_TRAINING_TOKENS:
             return
-        rate = token_blocks / seconds
+        rate = tokens * forwards / seconds
         self.rate = rate if not self.rate else 0.8 * self.rate + 0.2 * rate
 
     def max_tokens(self, num_blocks: int, limit: int) -> int:
@@ -221,7 +224,7 @@ async def _slice(
 
     result, seconds = await server.compute.run(PRIORITY_TRAINING, timed)
     server.counters.training_slices += 1
-    server.training_pace.observe(cost * hidden.shape[0] * hidden.shape[1], seconds)
+    server.training_pace.observe(hidden.shape[0] * hidden.shape[1], cost, seconds)
     return result
 
 
