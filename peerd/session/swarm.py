@@ -33,6 +33,9 @@ from routing.speeds import StepSpeeds
 log = logging.getLogger(__name__)
 
 INFO_TIMEOUT_S = 3.0
+# How long a refresh may take on a loaded machine (a provider look-up, then the info calls, each
+# up to INFO_TIMEOUT_S, twice when blocks are looked up one by one): added to a record's expiry.
+REFRESH_SLACK_S = 4 * INFO_TIMEOUT_S
 # A server we lost because it could not be reached (not because it left) is remembered this long,
 # so a route that finds no server can say which one is out of reach and why.
 LOST_SERVER_MEMORY_S = 600.0
@@ -222,15 +225,20 @@ class SwarmView:
             return None
         self.rtts.record(peer_id, time.perf_counter() - started)
         # Expiry on our own clock (peers' clocks may be off): a server that stops answering
-        # leaves our view after two refresh periods even if no request to it ever fails.
+        # leaves our view after two refresh periods even if no request to it ever fails. The
+        # slack covers a refresh's own duration: on a loaded machine one takes several
+        # INFO_TIMEOUT_S, and a record it could not confirm must outlive it, or a live swarm
+        # leaves the view whole (seen in CI with a 2 s refresh period).
         now = time.time()
-        return dataclasses.replace(record, updated_at=now, expires_at=now + 2 * self.refresh_period)
+        expires_at = now + 2 * self.refresh_period + REFRESH_SLACK_S
+        return dataclasses.replace(record, updated_at=now, expires_at=expires_at)
 
     async def refresh(self) -> None:
         """Rebuild the view: every candidate the DHT names is asked for its live record. Blocks
         that the servers found through the model key leave uncovered are looked up one by one.
         A known server that failed only this look-up keeps its record until the record expires
-        (two refresh periods): a request that fails on it drops it at once (report_failure)."""
+        (two refresh periods and REFRESH_SLACK_S after it last answered): a request that fails
+        on it drops it at once (report_failure)."""
         async with self._refresh_lock:
             fresh: dict[str, ServerRecord] = {}
             await self._confirm(await self.find_candidates(), fresh)
