@@ -7,6 +7,7 @@ matters; real BlockServers over tests/memnet.py otherwise. Nothing here asserts 
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -217,6 +218,9 @@ async def test_an_evicted_session_hears_why_and_its_client_replays_elsewhere(
             outputs.append(await session.step(hidden))
         # The client re-opened the blocks (on either tail server) and replayed the prompt.
         assert session.position == 7
+        # Taking back an idle session's cache is no fault of the server: nobody is banned.
+        assert session.route_keeper.lapsed == 1 and session.failures == 0
+        assert not view.bans.banned(time.time()), view.bans.banned(time.time())
         await other.close()
     with torch.inference_mode():
         assert_close_scaled(torch.cat(outputs, dim=1), whole(torch.cat(steps, dim=1)))

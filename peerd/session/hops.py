@@ -64,6 +64,11 @@ class StepRefused(PeerGone):
     """A server answered a step with an error, ending its session."""
 
 
+class LeaseLapsed(StepRefused):
+    """The server took back our session's cache while others waited for it (we were idle, or
+    held it long): no fault of the server; the session is opened again and replayed."""
+
+
 class WrongResult(PeerGone):
     """A server's output failed a spot check (peerd.session.verify): it is banned and replaced."""
 
@@ -162,7 +167,12 @@ class HopSession:
             while True:
                 event = self.conversation.received(await self.stream.receive(self.timeout))
                 if isinstance(event, Refused):
-                    raise StepRefused(f"{self.peer_id} refused the step: {event.error.message}")
+                    kind = (
+                        LeaseLapsed
+                        if event.error.code == wire.ErrorCode.LEASE_EXPIRED
+                        else StepRefused
+                    )
+                    raise kind(f"{self.peer_id} refused the step: {event.error.message}")
                 if isinstance(event, LateReply):
                     log.debug(
                         "dropped %s's late reply to step %d", self.peer_id, event.result.step_id

@@ -20,7 +20,15 @@ import time
 import torch
 import trio
 
-from peerd.session.hops import PEER_FAULTS, Hop, HopOptions, HopRefused, Unattributed, open_hop
+from peerd.session.hops import (
+    PEER_FAULTS,
+    Hop,
+    HopOptions,
+    HopRefused,
+    LeaseLapsed,
+    Unattributed,
+    open_hop,
+)
 from peerd.session.swarm import SwarmView
 from routing.planner import NoRouteError, Route, RouteHop, plan_route
 
@@ -64,6 +72,7 @@ class RouteKeeper:
         self.inputs: dict[int, torch.Tensor] = {}
         self.failures = 0
         self.unattributed = 0  # hops moved for faults that may not be their server's
+        self.lapsed = 0  # hops moved because their server took back an idle session's cache
         self.pushing = True  # False once a pushed step went wrong: relay every step
         self.step_ids = itertools.count()  # one counter for every step of the session
         self._reported: Hop | None = None  # the hop being replaced (already counted as failed)
@@ -113,7 +122,12 @@ class RouteKeeper:
         rebuilt from the remembered inputs."""
         failed = self.hops[index]
         started = time.perf_counter()
-        if isinstance(error, Unattributed) and failed is not self._reported:
+        if isinstance(error, LeaseLapsed) and failed is not self._reported:
+            self._reported = failed
+            self._move_lapsed(failed, error)
+            with trio.CancelScope(shield=True):
+                await failed.close()
+        elif isinstance(error, Unattributed) and failed is not self._reported:
             self._reported = failed
             self._move_unblamed(failed, error)
             with trio.CancelScope(shield=True):
@@ -168,6 +182,24 @@ class RouteKeeper:
                 # A replacement died while rebuilding its cache (_replay banned it): try others.
                 self.failures += 1
                 self._check_retries(e)
+
+    def _move_lapsed(self, failed: Hop, error: LeaseLapsed) -> None:
+        """Count a hop whose server took back its cache (nobody is banned: a loaded server does
+        that to idle sessions); give up once it happened more than max_retries allows."""
+        self.lapsed += 1
+        log.info(
+            "server %s took back the cache of blocks %d:%d (%s); opening the session again",
+            failed.peer_id,
+            failed.hop.start,
+            failed.hop.end,
+            error,
+        )
+        if self.lapsed > self.max_retries:
+            raise InferenceFailed(
+                f"servers took back this session's cache {self.lapsed} times, more than "
+                f"max_retries={self.max_retries} allows (last: {error}). The swarm is short of "
+                "cache: retry later, or start a server with free memory"
+            ) from error
 
     def _move_unblamed(self, failed: Hop, error: Unattributed) -> None:
         """Count a hop moved for a fault nobody can be blamed for and stop pushing; give up

@@ -19,7 +19,7 @@ import torch
 
 import wire
 from peerd.node.streams import Idle
-from peerd.session.hops import PEER_FAULTS, HopSession, StepRefused, Unattributed
+from peerd.session.hops import PEER_FAULTS, HopSession, LeaseLapsed, StepRefused, Unattributed
 from peerd.session.route import RouteKeeper
 from routing.planner import RouteHop
 from wire.peer_protocol import CompressionName
@@ -123,6 +123,8 @@ def _pushed_fault(error: Exception) -> Exception:
     that server could cause is Unattributed (a refusal of the step, a reply that breaks the
     conversation or is wrong, silence: the push may never have come); the stream's end or
     bytes that are no message are the hop's own."""
+    if isinstance(error, LeaseLapsed):  # the server's own doing, and no fault
+        return error
     if isinstance(error, Unattributed | StepRefused | Idle | wire.ConversationError):
         if isinstance(error, Unattributed):
             return error
