@@ -353,3 +353,32 @@ async def test_an_oversized_info_request_is_refused_at_its_length(net: MemNet) -
     assert "over the 4096-byte limit" in reply.message
     with pytest.raises(PeerGone):
         await stream.receive(TIMEOUT_S)
+
+
+def test_a_receivers_shape_rule_refuses_a_tensor_before_its_data_is_decompressed() -> None:
+    step = wire.Step(session_id="s", step_id=0, hidden_states=torch.zeros(1, 4096, 1024))
+    frame = bytes(wire.encode_message(step, "lz4"))  # 16 MiB of zeros in ~64 KiB
+    seen = []
+
+    def only_32_wide(path: str, shape: list[int]) -> None:
+        seen.append(path)
+        if shape[-1] != 32:
+            raise ValueError("must be 32 wide")
+
+    with _traced() as used:
+        with pytest.raises(wire.MalformedTensor, match=r"step\.hidden_states: must be 32 wide"):
+            wire.decode_message(frame, check_tensor=only_32_wide)
+        assert used()[1] < MiB
+    assert seen == ["step.hidden_states"]
+
+
+async def test_a_server_refuses_a_too_wide_step_before_decompressing_it(net: MemNet) -> None:
+    stream, session_id = await _session(net)
+    wide = wire.Step(session_id=session_id, step_id=0, hidden_states=torch.zeros(1, 4096, 1024))
+    frame = bytes(wire.encode_message(wide, "lz4"))  # 16 MiB once decompressed
+    with _traced() as used:
+        reply = await _refused(stream, frame)
+        peak = used()[1]
+    assert reply.code == wire.ErrorCode.BAD_REQUEST and f"must be {HIDDEN} wide" in reply.message
+    assert peak < 8 * MiB, peak
+    await _still_serves(net)

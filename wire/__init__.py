@@ -16,6 +16,7 @@ from wire.conversation import (
     ServerInference,
     ServerTraining,
 )
+from wire.decoding import MessageDecoder, decode_message
 from wire.errors import (
     FrameTooLarge,
     MalformedFrame,
@@ -71,9 +72,7 @@ from wire.peer_protocol import (
 from wire.schema import (
     PROTOCOL_VERSION,
     Message,
-    MessageDecoder,
     Record,
-    decode_message,
     encode_message,
     message,
     message_types,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -226,10 +227,21 @@ def _uint8_view(tensor: torch.Tensor) -> torch.Tensor:
 # --- decoding ---------------------------------------------------------------------------------
 
 
-def decode_tensor(value: object, *, max_bytes: int = DEFAULT_MAX_TENSOR_BYTES) -> torch.Tensor:
-    """Decode an encoded tensor map; every field is checked first. Raises MalformedTensor."""
+ShapeCheck = Callable[[list[int]], None]
+"""A receiver's own rule on a tensor's shape (e.g. a server's hidden size): raises ValueError
+with the reason to refuse it."""
+
+
+def decode_tensor(
+    value: object,
+    *,
+    max_bytes: int = DEFAULT_MAX_TENSOR_BYTES,
+    check_shape: ShapeCheck | None = None,
+) -> torch.Tensor:
+    """Decode an encoded tensor map; every field is checked first, the shape also with
+    `check_shape`, all before anything is allocated or decompressed. Raises MalformedTensor."""
     _check_host()
-    header = _read_header(value, max_bytes)
+    header = _read_header(value, max_bytes, check_shape)
     if header.codec == "raw":
         result = _decode_raw(header)
     elif header.codec in ("float16", "bfloat16"):
@@ -256,7 +268,7 @@ class _Header:
         return self.count * self.dtype.itemsize
 
 
-def _read_header(value: object, max_bytes: int) -> _Header:
+def _read_header(value: object, max_bytes: int, check_shape: ShapeCheck | None) -> _Header:
     if not isinstance(value, dict):
         raise MalformedTensor(
             f"an encoded tensor is a map with dtype, shape, codec and data; got {_kind(value)}"
@@ -269,6 +281,11 @@ def _read_header(value: object, max_bytes: int) -> _Header:
             + ("" if "dtype" in value else " (the dtype field is missing)")
         )
     shape = _shape(value.get("shape"))
+    if check_shape is not None:
+        try:
+            check_shape(shape)
+        except ValueError as error:
+            raise MalformedTensor(str(error)) from None
     size = math.prod(shape) * dtype.itemsize
     if size > max_bytes:
         raise MalformedTensor(

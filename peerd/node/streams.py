@@ -13,7 +13,7 @@ import trio
 from libp2p.network.stream.exceptions import StreamError
 
 from wire import Message, MessageDecoder, encode_message
-from wire.schema import Expect
+from wire.decoding import Expect, TensorCheck
 
 M = TypeVar("M", bound=Message)
 
@@ -45,15 +45,22 @@ class MessageStream:
 
     `remote_peer` is the peer id at the other end; left out, it is the stream's own
     `remote_peer` attribute where it has one (an in-memory stream of the tests), else the peer of
-    the libp2p connection the stream runs on."""
+    the libp2p connection the stream runs on. `check_tensor`: the receiver's rule on the shape
+    of every tensor it receives, checked before the tensor's data is copied or decompressed
+    (wire.decode_message)."""
 
     def __init__(
-        self, stream: ByteStream, max_frame_size: int, remote_peer: str | None = None
+        self,
+        stream: ByteStream,
+        max_frame_size: int,
+        remote_peer: str | None = None,
+        *,
+        check_tensor: TensorCheck | None = None,
     ) -> None:
         self.stream = stream
         self.max_frame_size = max_frame_size
         self._remote_peer = remote_peer
-        self._decoder = MessageDecoder(max_frame_size=max_frame_size)
+        self._decoder = MessageDecoder(max_frame_size=max_frame_size, check_tensor=check_tensor)
         self._send_lock = trio.Lock()  # frames from two tasks must not interleave
 
     @property

@@ -223,16 +223,24 @@ class BlockServer:
 
     async def handle_inference(self, stream: ByteStream, remote_peer: str | None = None) -> None:
         """One stream = one session (peerd.server.sessions)."""
-        await self.sessions.handle(MessageStream(stream, self.limits.max_frame_size, remote_peer))
+        await self.sessions.handle(
+            MessageStream(
+                stream, self.limits.max_frame_size, remote_peer, check_tensor=self.check_tensor
+            )
+        )
 
     async def handle_push(self, stream: ByteStream, remote_peer: str | None = None) -> None:
         """Steps pushed by the previous server of a client's route (peerd.server.push)."""
-        messages = MessageStream(stream, self.limits.max_frame_size, remote_peer)
+        messages = MessageStream(
+            stream, self.limits.max_frame_size, remote_peer, check_tensor=self.check_tensor
+        )
         await self._push_receiver.handle(messages)
 
     async def handle_training(self, stream: ByteStream, remote_peer: str | None = None) -> None:
         """Forward and Backward requests, each answered in turn (peerd.server.training)."""
-        messages = MessageStream(stream, self.limits.max_frame_size, remote_peer)
+        messages = MessageStream(
+            stream, self.limits.max_frame_size, remote_peer, check_tensor=self.check_tensor
+        )
         await training.handle_training(self, messages)
 
     async def run_training(
@@ -247,6 +255,20 @@ class BlockServer:
         await boundary.refuse(messages, code, text)
 
     # --- what every session and step is checked against -------------------------------------
+
+    def check_tensor(self, path: str, shape: list[int]) -> None:
+        """A received tensor's shape, before its data is copied or decompressed: as wide as our
+        blocks, and no more rows than any request here may carry (ValueError: refused)."""
+        if self.hidden_size and (not shape or shape[-1] != self.hidden_size):
+            raise ValueError(f"must be {self.hidden_size} wide (this server's hidden size)")
+        limits = self.limits
+        rows = max(limits.max_batch_size * limits.max_session_length, limits.max_training_tokens)
+        if len(shape) > 3:  # deep prompts: one [batch, prefix] per block
+            rows *= self.end - self.start
+        if math.prod(shape[:-1]) > rows:
+            raise ValueError(
+                f"shape {shape} has more rows than this server takes in one request ({rows})"
+            )
 
     def check_open(self, request: wire.OpenSession) -> None:
         """ProtocolError (AdapterMissing for a missing adapter) if this server cannot take the
