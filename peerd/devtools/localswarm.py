@@ -16,7 +16,7 @@ from pathlib import Path
 
 from peerd.devtools.netns import Host
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository: `python -m cli` runs there
 
 
 @dataclass

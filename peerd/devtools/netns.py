@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 PREFIX = "pdn"
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 INTERNET_NET = "198.51.100"  # /24: TEST-NET-2
 _NAME = re.compile(rf"^{PREFIX}(\d+)-([a-z0-9]+)$")
 
@@ -209,9 +209,7 @@ class Topology:
         self.hosts[f"{name}gw"] = Host(f"{name}gw", router, wan_ip)
         return host
 
-    def shape(
-        self, host: Host, delay_ms: float, rate_mbit: float, jitter_ms: float = 0.0
-    ) -> str:
+    def shape(self, host: Host, delay_ms: float, rate_mbit: float, jitter_ms: float = 0.0) -> str:
         """WAN emulation on the host's link: every packet it receives waits `delay_ms` (+-
         jitter) and the link carries at most `rate_mbit` (netem: on the way in; tbf: on the way
         out), so each direction of a link between two shaped hosts costs one delay. Uses `tc
