@@ -180,15 +180,17 @@ async def leased_net(tiny_llama: Path) -> AsyncIterator[MemNet]:
         yield net
 
 
-async def _open_raw(net: MemNet, who: str, server: str, max_length: int) -> MessageStream:
+async def _open_raw(
+    net: MemNet, who: str, server: str, max_length: int, start: int = 3, end: int = TINY_BLOCKS
+) -> MessageStream:
     raw = await net.node(who).open_stream(ID.from_base58(net.peer_id(server)), INFERENCE_PROTOCOL)
     stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
     await stream.send(
         wire.OpenSession(
             session_id=uuid.uuid4().hex,
             model=TINY_MODEL,
-            start=3,
-            end=TINY_BLOCKS,
+            start=start,
+            end=end,
             max_length=max_length,
             wait_timeout=TIMEOUT_S,
         )
@@ -224,6 +226,30 @@ async def test_an_evicted_session_hears_why_and_its_client_replays_elsewhere(
         await other.close()
     with torch.inference_mode():
         assert_close_scaled(torch.cat(outputs, dim=1), whole(torch.cat(steps, dim=1)))
+
+
+async def test_a_client_evicted_on_its_first_hop_reopens_it_and_blames_nobody(
+    tiny_llama: Path,
+) -> None:
+    """The first hop is the one the client sends to: its next step must reach the server and
+    read the lease_expired answer, not fail on a closed stream (a fault that bans the server)."""
+    limits = ServerLimits(lease_idle_s=0.0, max_cache_share=1.0)
+    async with open_memnet() as net:
+        for name in ("head-1", "head-2"):
+            net.serve(name, blocks.load_span(tiny_llama, 0, 3), cache_tokens=64, limits=limits)
+        net.serve("tail", blocks.load_span(tiny_llama, 3, TINY_BLOCKS))
+        view = SwarmView(net.node("client"), TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
+        view.records = net.records()
+        async with InferenceSession(view, max_length=32) as session:
+            await session.step(_random(1, 5, HIDDEN, seed=8))
+            head = session.hops[0].peer_id
+            name = next(n for n in ("head-1", "head-2") if net.peer_id(n) == head)
+            other = await _open_raw(net, "other", name, 64, start=0, end=3)
+            assert isinstance(await other.receive(TIMEOUT_S), wire.SessionOpened)
+            await session.step(_random(1, 1, HIDDEN, seed=9))
+            assert session.position == 6
+            assert view.bans.failures(head) == 0 and session.failures == 0
+            await other.close()
 
 
 async def test_the_record_counts_cache_held_by_lapsed_leases_as_free(leased_net: MemNet) -> None:

@@ -9,6 +9,7 @@ session with an Error reply and frees its cache; other sessions are untouched.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
     from peerd.server.block_server import BlockServer
 
 log = logging.getLogger(__name__)
+
+# How long an evicted session's stream stays open for its client's next step (see _linger).
+EVICTED_LINGER_S = 10.0
 
 
 @dataclass
@@ -78,6 +82,14 @@ class LiveSession:
             log.info("pushed step for closing session %s", step.session_id[:12])
 
 
+async def _linger(messages: MessageStream) -> None:
+    """Keep an evicted session's stream open until its client's next message (dropped) or
+    EVICTED_LINGER_S: its next step then goes out and gets the lease_expired error as its
+    answer, instead of failing on a closed stream, which a client must blame on the server."""
+    with trio.move_on_after(EVICTED_LINGER_S), contextlib.suppress(PeerGone, wire.ProtocolError):
+        await messages.receive(EVICTED_LINGER_S)
+
+
 class InferenceHandler:
     """The inference streams of one BlockServer and the sessions open on them."""
 
@@ -97,6 +109,8 @@ class InferenceHandler:
             except Refused as e:
                 self.server.counters.sessions_refused += 1
                 await self.server.refuse(messages, e.code, str(e))
+                if e.code == wire.ErrorCode.LEASE_EXPIRED:
+                    await _linger(messages)
             finally:
                 conv.close()
 
