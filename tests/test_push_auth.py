@@ -18,7 +18,7 @@ from libp2p.peer.id import ID
 
 import blocks
 import wire
-from peerd.node.p2p import PUSH_PROTOCOL
+from peerd.node.p2p import INFERENCE_PROTOCOL, PUSH_PROTOCOL
 from peerd.node.streams import MessageStream, PeerGone
 from peerd.session.hops import HopSession
 from peerd.session.inference import InferenceSession
@@ -267,3 +267,36 @@ async def test_every_hop_gets_its_own_token_carried_by_the_next_hop_naming_it(
             assert all(t is not None and len(t) == 32 for t in tokens)
             assert tokens[0] != tokens[1]
             assert tail.as_next_hop().push_token == tokens[1]
+
+
+async def test_a_session_id_that_is_open_already_cannot_be_taken_over(
+    tiny_llama: Path, whole: blocks.Span
+) -> None:
+    """The head learns the tail's session id (next_hops). Opening its own session under that id
+    (naming no upstream, so no token would be asked of its pushes) would have replaced the
+    victim's session and taken the steps pushed into it: it is refused, the victim goes on."""
+    steps = _steps(9, (4, 1))
+    reference = _reference(whole, steps)
+    async with open_memnet() as net:
+        for name, (start, end) in {"head": (0, 3), "tail": (3, 6)}.items():
+            net.serve(name, blocks.load_span(tiny_llama, start, end))
+        view = _view(net)
+        async with InferenceSession(view, max_length=16) as session:
+            outputs = [await session.step(steps[0])]
+            tail = session.hops[1]
+            assert isinstance(tail, HopSession)
+            raw = await net.node("head").open_stream(
+                ID.from_base58(tail.peer_id), INFERENCE_PROTOCOL
+            )
+            stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
+            await stream.send(
+                wire.OpenSession(
+                    session_id=tail.session_id, model=TINY_MODEL, start=3, end=6, max_length=16
+                )
+            )
+            reply = await stream.receive(30)
+            assert isinstance(reply, wire.Error) and reply.code == wire.ErrorCode.BAD_REQUEST
+            assert "open already" in reply.message
+            outputs.append(await session.step(steps[1]))
+            assert session.failures == 0 and session.route_keeper.unattributed == 0
+    assert_close_scaled(torch.cat(outputs, dim=1), reference)

@@ -118,6 +118,7 @@ class InferenceHandler:
         self, conv: ServerInference, request: wire.OpenSession, messages: MessageStream
     ) -> None:
         """Check the request against the server, wait in turn for cache, then serve."""
+        _check_new_id(self.live, request.session_id)
         try:
             self.server.check_open(request)
         except AdapterMissing as e:
@@ -147,6 +148,7 @@ class InferenceHandler:
         """Hold the session open (its cache, its id for pushes) while its steps run; the caller
         frees its cache."""
         session_id = live.request.session_id
+        _check_new_id(self.live, session_id)  # again: another may have opened while we waited
         try:
             with live.scope:
                 self.scopes.add(live.scope)
@@ -231,4 +233,16 @@ class InferenceHandler:
                 push_failed=not pushed_on,
             ),
             compression,
+        )
+
+
+def _check_new_id(live: dict[str, LiveSession], session_id: str) -> None:
+    """Refuse a session id that is open already: an earlier server of someone's route learns
+    its downstream session ids (next_hops), and must not take one over, nor receive the steps
+    pushed into it."""
+    if session_id in live:
+        raise Refused(
+            wire.ErrorCode.BAD_REQUEST,
+            f"session id {session_id[:12]}... is open already: open each session with a fresh "
+            "random id",
         )
