@@ -444,6 +444,7 @@ async def test_a_client_session_routes_around_a_server_that_answers_garbage(
     rng = random.Random(SEED)
     inputs = [torch.randn(1, 3, HIDDEN), torch.randn(1, 1, HIDDEN)]
     mode, counts = [HOSTILE_REPLIES[0]], Counter[str]()
+    slowest = (0.0, -1)
     async with open_memnet() as net:
         net.serve("a", blocks.load_span(tiny_llama, 0, 3))
         net.serve("b", blocks.load_span(tiny_llama, 3, TINY_BLOCKS))
@@ -454,14 +455,19 @@ async def test_a_client_session_routes_around_a_server_that_answers_garbage(
         for case in range(HOSTILE_CASES):
             mode[0] = (
                 HOSTILE_REPLIES[case % len(HOSTILE_REPLIES)]
-                if case < 44
+                if case < 2 * len(HOSTILE_REPLIES)
                 else rng.choice(HOSTILE_REPLIES)
             )
+            started = time.perf_counter()
             with trio.fail_after(CASE_LIMIT_S * 3):
                 outputs = await _outputs(net, None, inputs)
+            slowest = max(slowest, (time.perf_counter() - started, case))
             for got, want in zip(outputs, reference, strict=True):
                 assert_close_scaled(got, want)
-    print(f"{HOSTILE_CASES} client sessions met a hostile server: {dict(counts)}")
+    print(
+        f"{HOSTILE_CASES} client sessions met a hostile server: {dict(counts)}; slowest: case "
+        f"{slowest[1]} in {slowest[0] * 1e3:.0f} ms"
+    )
     assert counts.total() >= HOSTILE_CASES // 2, counts  # the routes did go through it
 
 
@@ -570,6 +576,7 @@ async def test_the_local_api_with_a_model_loaded_takes_random_requests_and_serve
     checkpoint = tiny_llama_with_tokenizer(tiny_llama)
     rng = random.Random(SEED)
     replies: Counter[str] = Counter()
+    slowest = (0.0, -1)
     async with open_memnet() as net:
         net.serve("a", blocks.load_span(checkpoint, 0, 3))
         net.serve("b", blocks.load_span(checkpoint, 3, TINY_BLOCKS))
@@ -593,15 +600,20 @@ async def test_the_local_api_with_a_model_loaded_takes_random_requests_and_serve
         listener = _Listener()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(api.serve_listener, listener)
-            for _ in range(API_CASES):
+            for case in range(API_CASES):
                 requests = [_api_request(rng, ["nope"]) for _ in range(rng.randint(1, 3))]
+                started = time.perf_counter()
                 with trio.fail_after(CASE_LIMIT_S):
                     replies.update(await _api_exchange(listener, _mutated(rng, requests)))
+                slowest = max(slowest, (time.perf_counter() - started, case))
             good = frame("generate", {"input_ids": [1, 2, 3], "max_new_tokens": 3})
             with trio.fail_after(CASE_LIMIT_S):
                 last = await _api_exchange(listener, [good], until="generate_done")
             nursery.cancel_scope.cancel()
-    print(f"{API_CASES} local API connections with a model loaded: {dict(replies.most_common(10))}")
+    print(
+        f"{API_CASES} local API connections with a model loaded: {dict(replies.most_common(10))}"
+        f"; slowest: case {slowest[1]} in {slowest[0] * 1e3:.0f} ms"
+    )
     assert replies["error:internal"] == 0, replies
     assert last[-1] == "generate_done", last
     assert replies["inference_opened"] and replies["error:bad_request"], replies
