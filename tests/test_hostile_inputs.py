@@ -343,14 +343,19 @@ async def test_a_server_whose_blocks_produce_nan_answers_an_error_not_the_values
         assert isinstance(await info.receive(TIMEOUT_S), wire.InfoResponse)
 
 
-async def test_an_oversized_info_request_is_refused_at_its_length(net: MemNet) -> None:
-    """The info stream expects a few KiB: a peer announcing 200 MiB is refused by the length
-    prefix alone (the server never waits for, nor allocates, the body)."""
-    stream = await _stream(net, INFO_PROTOCOL)
+@pytest.mark.parametrize(
+    ("protocol", "limit"), [(INFO_PROTOCOL, "4096"), (INFERENCE_PROTOCOL, str(MiB))]
+)
+async def test_an_oversized_first_request_is_refused_at_its_length(
+    net: MemNet, protocol: str, limit: str
+) -> None:
+    """An info request needs a few KiB, an open_session at most 1 MiB: a peer announcing 200 MiB
+    is refused by the length prefix alone (the server never waits for, nor allocates, the body)."""
+    stream = await _stream(net, protocol)
     await stream.stream.write((200 * MiB).to_bytes(4, "big"))
     reply = await stream.receive(TIMEOUT_S)
     assert isinstance(reply, wire.Error) and reply.code == wire.ErrorCode.BAD_REQUEST
-    assert "over the 4096-byte limit" in reply.message
+    assert f"over the {limit}-byte limit" in reply.message
     with pytest.raises(PeerGone):
         await stream.receive(TIMEOUT_S)
 

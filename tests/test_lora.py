@@ -179,23 +179,26 @@ def test_adapters_outside_the_blocks_or_for_another_model_are_refused(
 
 
 def test_daemon_refuses_a_bad_adapter_at_start(tiny: Path, tmp_path: Path) -> None:
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
     from peerd.daemon.main import Daemon, DaemonConfig, DaemonError
 
+    key = create_new_key_pair()
     _, adapter = save_adapter(fresh_base(tiny), tmp_path / "dora", target_modules=["q_proj"])
     _edit_config(adapter, use_dora=True)
     with pytest.raises(DaemonError, match=r"--adapters .*dora.*DoRA"):
-        Daemon(DaemonConfig(model=str(tiny), blocks="0:2", adapters=[adapter]))
+        Daemon(DaemonConfig(model=str(tiny), blocks="0:2", adapters=[adapter]), key)
     # Shapes are checked at start too (on a meta-device layer), not only when blocks load.
     wider = AutoModelForCausalLM.from_config(
         LlamaConfig(**{**CONFIG.to_dict(), "intermediate_size": 48})
     )
     _, other = save_adapter(wider, tmp_path / "wider", target_modules=["down_proj"])
     with pytest.raises(DaemonError, match=r"down_proj is a 64->32 linear layer.*another model"):
-        Daemon(DaemonConfig(model=str(tiny), blocks="0:2", adapters=[other]))
+        Daemon(DaemonConfig(model=str(tiny), blocks="0:2", adapters=[other]), key)
     _edit_config(adapter, use_dora=False)
     with pytest.raises(DaemonError, match="--adapters needs --blocks"):
-        Daemon(DaemonConfig(model=str(tiny), blocks=None, adapters=[adapter]))
-    assert Daemon(DaemonConfig(model=str(tiny), blocks="0:2", adapters=[adapter])).adapters
+        Daemon(DaemonConfig(model=str(tiny), blocks=None, adapters=[adapter]), key)
+    assert Daemon(DaemonConfig(model=str(tiny), blocks="0:2", adapters=[adapter]), key).adapters
 
 
 async def test_a_server_without_the_adapter_refuses_the_session(tiny: Path, tmp_path: Path) -> None:

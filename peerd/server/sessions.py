@@ -102,7 +102,7 @@ class InferenceHandler:
     async def handle(self, messages: MessageStream) -> None:
         conv = ServerInference()
         async with stream_boundary(self.server, messages, "inference"):
-            event = conv.receive(await messages.receive(OPEN_TIMEOUT_S))
+            event = conv.receive(await messages.receive(OPEN_TIMEOUT_S, expect=wire.OpenSession))
             assert isinstance(event, OpenRequested)
             try:
                 await self._admit(conv, event.request, messages)
