@@ -138,9 +138,18 @@ class LoopProbe:
             self.samples.append((float(sent), float(latency)))
 
     def worst(self, start: float, end: float) -> float | None:
-        """Slowest answer to a request sent in [start, end], in ms (None: no answer at all)."""
-        during = [latency for sent, latency in self.samples if start <= sent <= end]
+        """Slowest answer to a request in flight at any time in [start, end], in ms (None: no
+        answer at all)."""
+        during = [ms for sent, ms in self.samples if start <= sent + ms / 1e3 and sent <= end]
         return max(during) if during else None
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        """Until the probe's first answer (it imports torch first: seconds on a busy machine)."""
+        deadline = time.monotonic() + timeout
+        while not self.samples:
+            if self.gone or time.monotonic() > deadline:
+                raise RuntimeError(f"the loop probe never got an answer: {self.gone or 'timeout'}")
+            time.sleep(0.1)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -176,6 +185,7 @@ class Rig:
             fresh = self.swarm.start(name, SPANS[name], identity=old.identity.stem)
             self.daemons[name] = fresh
             self.probes[name] = LoopProbe(fresh)
+            self.probes[name].wait_ready()
         return dead
 
 
@@ -364,6 +374,8 @@ def run_attack_bench(
     )
     try:
         rig.probes = {name: LoopProbe(d) for name, d in rig.daemons.items()}
+        for probe in rig.probes.values():
+            probe.wait_ready()
         setup_s = time.perf_counter() - started
         report = trio.run(_run, rig, specs, baseline_runs)
         report["setup_s"] = round(setup_s, 1)
