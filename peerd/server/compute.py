@@ -1,5 +1,12 @@
 """The compute queue of one device: torch work runs in a worker thread, one job at a time, with
-inference steps served before forward/backward passes of training."""
+inference steps served before forward/backward passes of training.
+
+Going first is not enough for inference when training floods a server: every step still waits
+for the slice under way, and on a machine shared with other daemons (the next hops of the same
+route, often) training slices back to back take the cores they need. So while inference ran
+here in the last INFERENCE_ACTIVE_S, training slices pass one at a time (`training_slice`) and
+rest as long as each ran: training gets at most half of the device while someone generates,
+and all of it otherwise."""
 
 from __future__ import annotations
 
@@ -15,6 +22,10 @@ R = TypeVar("R")
 
 PRIORITY_INFERENCE = 0
 PRIORITY_TRAINING = 1
+# Inference counts as active this long after its last job; a training slice then rests this many
+# times its own run time before the next one may start.
+INFERENCE_ACTIVE_S = 2.0
+TRAINING_REST = 1.0
 
 
 class ComputeQueue:
@@ -26,6 +37,9 @@ class ComputeQueue:
         self._waiting: list[tuple[int, int, trio.Event]] = []
         self._order = itertools.count()
         self.jobs_done = 0
+        self.last_inference = -float("inf")  # trio.current_time() of the last inference job
+        self._training_lane = trio.Lock()
+        self.training_rested_s = 0.0
 
     @property
     def depth(self) -> int:
@@ -50,7 +64,22 @@ class ComputeQueue:
             return await trio.to_thread.run_sync(fn, *args)
         finally:
             self.jobs_done += 1
+            if priority == PRIORITY_INFERENCE:
+                self.last_inference = trio.current_time()
             self._release()
+
+    async def training_slice(self, fn: Callable[..., T], *args: object) -> T:
+        """fn(*args) as a training job: one training slice at a time, each resting as long as it
+        ran (TRAINING_REST) while inference is active here, so a flood of training keeps at most
+        half of the device (and of the machine's cores) from the servers' inference."""
+        async with self._training_lane:
+            started = trio.current_time()
+            result = await self.run(PRIORITY_TRAINING, fn, *args)
+            if trio.current_time() - self.last_inference < INFERENCE_ACTIVE_S:
+                rest = (trio.current_time() - started) * TRAINING_REST
+                self.training_rested_s += rest
+                await trio.sleep(rest)
+            return result
 
     def _release(self) -> None:
         if self._waiting:

@@ -30,7 +30,6 @@ from blocks import Span
 from peerd.node.streams import MessageStream
 from peerd.server.admission import Refused
 from peerd.server.boundary import SESSION_IDLE_TIMEOUT_S, stream_boundary
-from peerd.server.compute import PRIORITY_TRAINING
 from wire.conversation import ServerTraining
 
 if TYPE_CHECKING:
@@ -222,7 +221,7 @@ async def _slice(
         result = fn(*args)
         return result, time.perf_counter() - started
 
-    result, seconds = await server.compute.run(PRIORITY_TRAINING, timed)
+    result, seconds = await server.compute.training_slice(timed)
     server.counters.training_slices += 1
     server.training_pace.observe(hidden.shape[0] * hidden.shape[1], cost, seconds)
     return result
