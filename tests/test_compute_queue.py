@@ -1,0 +1,56 @@
+"""The compute queue: inference first, and training that rests while inference is active."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import trio
+
+from peerd.server.compute import INFERENCE_ACTIVE_S, PRIORITY_INFERENCE, ComputeQueue
+
+
+def _busy(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+async def test_training_slices_rest_while_inference_is_active_and_not_otherwise() -> None:
+    queue = ComputeQueue()
+    # Nobody generates: training runs back to back.
+    for _ in range(3):
+        await queue.training_slice(_busy, 0.01)
+    assert queue.training_rested_s == 0.0
+    # An inference step ran just now: each slice rests at least as long as it ran.
+    await queue.run(PRIORITY_INFERENCE, _busy, 0.0)
+    for _ in range(3):
+        await queue.training_slice(_busy, 0.02)
+    assert queue.training_rested_s >= 3 * 0.02
+    rested = queue.training_rested_s
+    # Once inference has been quiet for INFERENCE_ACTIVE_S, training has the device again.
+    await trio.sleep(INFERENCE_ACTIVE_S)
+    await queue.training_slice(_busy, 0.01)
+    assert queue.training_rested_s == rested
+
+
+async def test_an_inference_step_runs_while_a_training_slice_rests() -> None:
+    """The rest holds the training lane, not the device: an inference step that comes during
+    it runs at once, and the next training slice starts only when the rest is over."""
+    queue = ComputeQueue()
+    await queue.run(PRIORITY_INFERENCE, _busy, 0.0)
+    started: list[str] = []
+    first_done = threading.Event()
+
+    def slice_of(name: str) -> None:
+        started.append(name)
+        time.sleep(0.5)
+        if name == "train-1":
+            first_done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.training_slice, slice_of, "train-1")
+        await trio.sleep(0.05)
+        nursery.start_soon(queue.training_slice, slice_of, "train-2")
+        await trio.to_thread.run_sync(first_done.wait)  # train-1 ran: its rest (0.5 s) begins
+        await queue.run(PRIORITY_INFERENCE, started.append, "inference")
+    assert started == ["train-1", "inference", "train-2"]
