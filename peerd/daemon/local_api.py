@@ -31,6 +31,7 @@ import wire
 from peerd import __version__
 from peerd.daemon.api_connection import ApiConnection, sole_cause
 from peerd.daemon.api_session import ApiError
+from peerd.daemon.startup import socket_in_use
 from peerd.paths import UnsafeDirectory, check_socket_dir
 from peerd.session.generation import Generator
 from routing.records import record_to_info
@@ -107,7 +108,7 @@ async def _bind(path: Path) -> trio.SocketListener:
     a directory nobody else can write in (peerd.paths; UnsafeDirectory says how to fix one)."""
     check_socket_dir(path.parent)
     if os.path.lexists(path):
-        if _socket_in_use(path):
+        if socket_in_use(path):
             raise OSError(
                 f"another peerd daemon is listening on {path}; stop it or give this one "
                 "another --socket"
@@ -128,17 +129,6 @@ async def _bind(path: Path) -> trio.SocketListener:
     os.chmod(path, 0o600)
     sock.listen(LISTEN_BACKLOG)
     return trio.SocketListener(sock)
-
-
-def _socket_in_use(path: Path) -> bool:
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        return False
-    finally:
-        probe.close()
-    return True
 
 
 async def _close_quietly(connection: ApiConnection) -> None:
