@@ -13,67 +13,21 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import (
     AutoModelForCausalLM,
-    BloomConfig,
-    FalconConfig,
     GPT2Config,
-    LlamaConfig,
     MixtralConfig,
-    PretrainedConfig,
 )
 
 import blocks
 from blocks import checkpoint as checkpoint_module
 from blocks.default_model import convert_once
 from tests.numeric import CHAINED, SAME, assert_close_scaled
-
-VOCAB = 96
-# Large initial weights and untied heads keep these random models from repeating one token.
-SMALL = {"vocab_size": VOCAB, "hidden_size": 32, "num_attention_heads": 4, "initializer_range": 0.5}
-UNTIED = {**SMALL, "tie_word_embeddings": False}
-TINY_CONFIGS: dict[str, PretrainedConfig] = {
-    "llama": LlamaConfig(
-        **UNTIED, num_hidden_layers=6, num_key_value_heads=2, intermediate_size=64
-    ),
-    "bloom": BloomConfig(**UNTIED, n_layer=4),
-    # Falcon-7B-like: rotary, multi-query, parallel attention.
-    "falcon": FalconConfig(**UNTIED, num_hidden_layers=4),
-    # Falcon-RW-like: ALiBi, separate heads, sequential attention, biases.
-    "falcon-alibi": FalconConfig(
-        **UNTIED,
-        num_hidden_layers=4,
-        alibi=True,
-        multi_query=False,
-        parallel_attn=False,
-        bias=True,
-    ),
-    # Falcon-40B-like: grouped KV heads, two layer norms; LM head tied to the embeddings.
-    "falcon-new": FalconConfig(
-        **SMALL, num_hidden_layers=4, new_decoder_architecture=True, num_kv_heads=2
-    ),
-    "mixtral": MixtralConfig(
-        **SMALL,
-        num_hidden_layers=4,
-        num_key_value_heads=2,
-        intermediate_size=48,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        sliding_window=16,  # shorter than the sequences below, so the window matters
-    ),
-}
-FAMILY_OF_CONFIG = {"falcon-alibi": "falcon", "falcon-new": "falcon"}
-
-
-def _save_tiny(name: str, directory: Path, **save_kwargs: object) -> Path:
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name])
-    model.save_pretrained(directory, **save_kwargs)
-    return directory
+from tests.tiny_models import FAMILY_OF_CONFIG, TINY_CONFIGS, VOCAB, save_tiny
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {name: _save_tiny(name, root / name) for name in TINY_CONFIGS}
+    return {name: save_tiny(name, root / name) for name in TINY_CONFIGS}
 
 
 def _reference(path: Path) -> torch.nn.Module:
@@ -425,7 +379,7 @@ def test_memory_cache_accounting_is_thread_safe() -> None:
 
 
 def test_sharded_checkpoint_loads_the_same(tiny: dict[str, Path], tmp_path: Path) -> None:
-    sharded = _save_tiny("llama", tmp_path / "sharded", max_shard_size="30KB")
+    sharded = save_tiny("llama", tmp_path / "sharded", max_shard_size="30KB")
     assert (sharded / "model.safetensors.index.json").is_file()
     hidden = torch.randn(1, 5, 32)
     with torch.no_grad():
