@@ -195,3 +195,37 @@ def test_the_public_name_is_shown_in_status_and_on_the_swarm_page() -> None:
     report = swarm_report(status, SwarmSnapshot.from_records("smollm2", 30, [record]), 2.0)
     # As text: the page puts it in with textContent (peerd/gateway/static/swarm.js), never HTML.
     assert report["models"][0]["servers"][0]["public_name"] == "<b>attic</b> GPU"
+
+
+async def test_a_slow_server_keeps_its_record_and_a_killed_one_leaves_at_the_next_refresh(
+    tiny_llama: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    async with open_memnet() as net:
+        for name in ("slow", "killed"):
+            net.serve(name, blocks.load_span(tiny_llama, 0, TINY_BLOCKS))
+        slow, killed = net.peer_id("slow"), net.peer_id("killed")
+        client = net.node("client")
+        view = SwarmView(client, TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
+
+        async def candidates(blocks: object = ()) -> dict[str, PeerInfo]:
+            return {p: PeerInfo(ID.from_base58(p), []) for p in (slow, killed)}
+
+        view.find_candidates = candidates  # type: ignore[method-assign]
+        await view.refresh()
+        assert set(view.records) == {slow, killed}
+        view.last_seen.clear()  # (names the addresses it tried from a peerstore memnet lacks)
+
+        dial = client.open_stream
+
+        async def open_stream(peer_id: ID, protocol: str) -> object:
+            if peer_id.to_string() == slow:
+                await trio.sleep_forever()  # a loaded machine: no answer within INFO_TIMEOUT_S
+            return await dial(peer_id, protocol)
+
+        client.open_stream = open_stream  # type: ignore[method-assign]
+        net.kill("killed")
+        await view.refresh()
+        # The server that only timed out stays routable until its record expires; the one whose
+        # dial was refused is gone now, not two refresh periods later.
+        assert set(view.records) == {slow}
+        assert slow in view.missed

@@ -21,7 +21,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 import wire
 from peerd.node.p2p import INFO_PROTOCOL, JOINED_PROTOCOL, LEAVING_PROTOCOL, Node
-from peerd.node.streams import MessageStream
+from peerd.node.streams import Idle, MessageStream
 from peerd.session.hops import DIAL_FAULTS, PEER_FAULTS
 from peerd.session.local import LocalServer
 from routing.bans import BanList
@@ -202,7 +202,11 @@ class SwarmView:
                     await stream.close()
         except (*PEER_FAULTS, *DIAL_FAULTS) as e:  # anything else is our bug: raised
             log.debug("info from %s failed: %s", peer_id, e)
-            self.missed.add(peer_id)
+            if isinstance(e, (trio.TooSlowError, Idle)):
+                # Slow, maybe only loaded: its record stays until it expires.
+                self.missed.add(peer_id)
+            else:  # refused, reset or closed: nobody serves there now, it leaves the view
+                self.missed.discard(peer_id)
             if not reached and peer_id in self.last_seen:
                 tried = ", ".join(map(str, self.node.host.get_peerstore().addrs(peer.peer_id)))
                 self.unreachable[peer_id] = (
@@ -236,9 +240,9 @@ class SwarmView:
     async def refresh(self) -> None:
         """Rebuild the view: every candidate the DHT names is asked for its live record. Blocks
         that the servers found through the model key leave uncovered are looked up one by one.
-        A known server that failed only this look-up keeps its record until the record expires
-        (two refresh periods and REFRESH_SLACK_S after it last answered): a request that fails
-        on it drops it at once (report_failure)."""
+        A known server that was only slow to answer this look-up keeps its record until the
+        record expires (two refresh periods and REFRESH_SLACK_S after it last answered); one
+        that refused or reset it leaves now, as does one a request fails on (report_failure)."""
         async with self._refresh_lock:
             fresh: dict[str, ServerRecord] = {}
             await self._confirm(await self.find_candidates(), fresh)
