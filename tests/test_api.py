@@ -135,6 +135,7 @@ def test_chat_in_a_terminal_reuses_the_session(swarm: LocalSwarm, tokenizer: Any
         chat.expect(">>> ")
         # Ctrl-C stops a runaway answer, not the chat.
         chat.sendline("Write a very long story about a dragon.")
+        chat.expect("dragon\\.\r\n")  # the terminal's echo of the question
         chat.expect(r"\w+ \w+ \w+")  # the answer has started streaming
         chat.sendintr()
         chat.expect(r"tokens/s \(stopped\)\]")

@@ -124,9 +124,13 @@ def run_chat(
         if text.startswith("/"):
             out.write(f"unknown command {text}; {HELP}\n")
             continue
-        tokens, seconds, reason = stream_answer(
-            client, text, out, chat=True, session=session, options=options
-        )
+        try:
+            tokens, seconds, reason = stream_answer(
+                client, text, out, chat=True, session=session, options=options
+            )
+        except KeyboardInterrupt:  # Ctrl-C before the answer began: nothing was asked yet
+            out.write("\n")
+            tokens, seconds, reason = 0, 0.0, "cancelled"
         stopped = " (stopped)" if reason == "cancelled" else ""
         out.write(f"[{tokens} tokens, {tokens / max(seconds, 1e-9):.1f} tokens/s{stopped}]\n")
         out.flush()
