@@ -41,8 +41,10 @@ from peerd.sdk.model_checks import (
     batch_size,
     check_same_model,
     check_tuning,
+    client_config,
     generation_config_of,
     left_padding_of,
+    new_tokens,
     prompt_length,
     require_transformers_5,
 )
@@ -103,7 +105,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         tuning_mode: TuningMode | None = None,
         pre_seq_len: int = 0,
     ) -> None:
-        super().__init__(config)
+        super().__init__(client_config(config))
         self.client_side = client_side
         self.daemon = daemon
         # The LoRA adapter sessions opened from now on run with (None: the base model); set it
@@ -418,7 +420,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             return self._generate_in(session, inputs, generation_config, config, kwargs)
         prompt = prompt_length(inputs, kwargs)
         rows = batch_size(inputs, kwargs) * (config.num_return_sequences or 1)
-        length = prompt + self._new_tokens(config, generation_config, kwargs, prompt)
+        length = prompt + new_tokens(
+            config, (generation_config, self.generation_config), kwargs, prompt
+        )
         mask = kwargs.get("attention_mask")
         padding = left_padding_of(mask) if mask is not None else ()
         if any(padding) and rows != len(padding):
@@ -464,7 +468,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(
                 f"the session was opened for batch size {session.batch_size}, this call has {rows}"
             )
-        needed = prompt + self._new_tokens(config, generation_config, kwargs, prompt) - 1
+        needed = (
+            prompt
+            + new_tokens(config, (generation_config, self.generation_config), kwargs, prompt)
+            - 1
+        )
         if needed > session.max_length:
             raise ValueError(
                 f"this call would put {needed} tokens in a session of max_length "
@@ -475,24 +483,6 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         # What generate saw (prompt + sampled), which the servers hold but for the last token.
         session.output_ids = sequences if sequences.shape[1] >= session.position else None
         return result
-
-    def _new_tokens(
-        self,
-        config: GenerationConfig,
-        generation_config: GenerationConfig | None,
-        kwargs: dict[str, Any],
-        prompt: int,
-    ) -> int:
-        """How many tokens generate may add, resolved the way transformers does."""
-        if config.max_new_tokens is not None:
-            return int(config.max_new_tokens)
-        max_length_set = any(
-            c is not None and c.max_length is not None
-            for c in (generation_config, self.generation_config)
-        )
-        if kwargs.get("max_length") is not None or max_length_set:
-            return max(int(config.max_length) - prompt, 0)
-        return int(config.max_length)  # transformers' default: that many new tokens
 
 
 # The name Petals and transformers users reach for: one class serves every model family, since

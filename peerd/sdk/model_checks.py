@@ -4,6 +4,7 @@ and that the daemon runs the checkpoint loaded here."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Literal
 
@@ -130,3 +131,30 @@ def generation_config_of(checkpoint: Path) -> GenerationConfig | None:
     if (checkpoint / "generation_config.json").is_file():
         return GenerationConfig.from_pretrained(checkpoint, local_files_only=True)
     return None
+
+
+def new_tokens(
+    config: GenerationConfig,
+    given: tuple[GenerationConfig | None, GenerationConfig | None],
+    kwargs: dict[str, Any],
+    prompt: int,
+) -> int:
+    """How many tokens generate may add, resolved the way transformers does: `config` is what
+    generate will use, `given` the generation_config passed to the call and the model's own."""
+    if config.max_new_tokens is not None:
+        return int(config.max_new_tokens)
+    max_length_set = any(c is not None and c.max_length is not None for c in given)
+    if kwargs.get("max_length") is not None or max_length_set:
+        return max(int(config.max_length) - prompt, 0)
+    return int(config.max_length)  # transformers' default: that many new tokens
+
+
+def client_config(config: PretrainedConfig) -> PretrainedConfig:
+    """The config of the client-side model: the experts of a mixture-of-experts family run on
+    the servers, so no experts kernel is requested here (transformers refuses a requested one
+    for a model class that has no experts, and blocks.prepare_config names one)."""
+    if getattr(config, "_experts_implementation", None) is None:
+        return config
+    config = copy.deepcopy(config)
+    config._experts_implementation = None
+    return config

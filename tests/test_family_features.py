@@ -1,0 +1,328 @@
+"""Every capability for every model family (tests/tiny_models.py's TINY_CONFIGS, so a family added
+there is covered here at once), through the whole distributed path: AutoDistributedModelForCausalLM
+talks to a real LocalApi on a Unix socket, whose sessions and training passes go to three real
+BlockServers (a third of the blocks each) on an in-memory network (tests/memnet.py), all in this
+process. Each family's tiny random checkpoint is compared with transformers (and PEFT) running the
+whole model locally:
+
+- greedy 20 tokens equal transformers' generate (past Mixtral's sliding window of 16);
+- a left-padded batch of 3 prompts, row for row, equals each prompt alone (logits and tokens);
+- a PEFT LoRA adapter served by the spans gives PEFT's own logits;
+- deep prompt tuning: loss and prompt gradients through the servers equal local autograd.
+
+Two of the newer families also run through real daemons (slow, multiprocess, at the end).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+import blocks
+import wire
+from peerd.daemon.local_api import LocalApi
+from peerd.sdk.model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
+from peerd.session.generation import Generator
+from peerd.session.swarm import SwarmView
+from tests.memnet import open_memnet
+from tests.numeric import CHAINED, assert_close_scaled
+from tests.tiny_models import TINY_CONFIGS, VOCAB, save_tiny
+
+peft = pytest.importorskip("peft")
+
+NEW_TOKENS = 20
+PREFIX = 3  # prompt-tuning prefix length
+# Prompt gradients through the servers against local autograd, relative to their norm (fp32, the
+# same operations; only the order of sums differs).
+GRAD_TOLERANCE = 1e-4
+ADAPTER = "family-lora"
+START_TIMEOUT_S = 120.0  # the in-process daemon's socket opens (loading spans on a loaded CI box)
+
+
+def thirds(num_blocks: int) -> list[tuple[int, int]]:
+    """Three consecutive spans covering every block (the last ones take any remainder)."""
+    cuts = [0, num_blocks // 3, 2 * num_blocks // 3, num_blocks]
+    return list(itertools.pairwise(cuts))
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformers model's stack of decoder layers, as the family names it."""
+    family = blocks.family_of(model.config)
+    stack = family.root + family.layer_prefix.split(".")[0]  # "model.layers", "transformer.h"
+    layers = model.get_submodule(stack)
+    assert isinstance(layers, nn.ModuleList)
+    return layers
+
+
+def lora_targets(model: nn.Module) -> list[str]:
+    """Every linear layer inside the decoder blocks, by the name PEFT matches (q_proj,
+    query_key_value, qkv_proj...): what an "all-linear" adapter of this family changes."""
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in decoder_layers(model).named_modules()
+        if isinstance(module, nn.Linear)
+    }
+    assert names, f"{type(model).__name__} has no linear layer in its blocks"
+    return sorted(names)
+
+
+class InProcessDaemon:
+    """A real LocalApi on a Unix socket, in a trio thread of its own, whose Generator (sessions,
+    generation, training) reaches three BlockServers on a memnet: the daemon of `peerd start`
+    but for the libp2p network and the DHT."""
+
+    def __init__(self, checkpoint: Path, socket: Path, adapters: list[Path]) -> None:
+        self.checkpoint = checkpoint
+        self.socket = socket
+        self.adapters = adapters
+        self.ready = threading.Event()
+        self.failure: BaseException | None = None
+        self.token: trio.lowlevel.TrioToken | None = None
+        self.scope: trio.CancelScope | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as e:  # reported to the test thread, which waits on `ready`
+            self.failure = e
+            self.ready.set()
+
+    async def _main(self) -> None:
+        config = blocks.load_config(self.checkpoint)
+        model = blocks.model_name(self.checkpoint)
+        num_blocks = int(config.num_hidden_layers)
+        async with open_memnet() as net:
+            for name, (start, end) in zip("abc", thirds(num_blocks), strict=True):
+                span = blocks.load_span(self.checkpoint, start, end, adapters=self.adapters)
+                server = net.serve(name, span, model=model)
+                server.adapters = span.adapters  # what `peerd start --adapters` puts in a record
+            view = SwarmView(net.node("client"), model, num_blocks, refresh_period=60)  # type: ignore[arg-type]
+            view.records = net.records()
+            view.refresh = _no_dht  # type: ignore[method-assign]  # a memnet has no DHT
+            generator = Generator(blocks.load_client_side(self.checkpoint), view)
+
+            async def get_generator() -> Generator:
+                return generator
+
+            welcome = wire.Welcome(
+                version="0",
+                peer_id="in-process",
+                model=model,
+                num_blocks=num_blocks,
+                hidden_size=int(config.hidden_size),
+            )
+            api = LocalApi(
+                socket_path=self.socket,
+                get_generator=get_generator,
+                status=lambda: wire.StatusResponse(peer_id="in-process", version="0", uptime_s=0),
+                welcome=lambda: welcome,
+            )
+            self.token = trio.lowlevel.current_trio_token()
+            with trio.CancelScope() as self.scope:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(api.serve)
+                    self.ready.set()
+
+    def __enter__(self) -> InProcessDaemon:
+        self.thread.start()
+        assert self.ready.wait(START_TIMEOUT_S), "the in-process daemon's socket did not open"
+        if self.failure is not None:
+            raise self.failure
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.scope is not None and self.token is not None:
+            trio.from_thread.run_sync(self.scope.cancel, trio_token=self.token)
+        self.thread.join(30)
+
+
+async def _no_dht() -> None:
+    """What SwarmView.refresh finds on a memnet: the records it holds already."""
+
+
+@dataclass
+class Tiny:
+    """One family's tiny checkpoint, transformers and PEFT on it locally, and the swarm."""
+
+    name: str
+    checkpoint: Path
+    local: Any  # transformers' whole model
+    peft_model: Any  # PEFT's model with the adapter (on its own copy of the base)
+    daemon: InProcessDaemon
+
+    def distributed(self, **options: Any) -> DistributedModelForCausalLM:
+        return AutoDistributedModelForCausalLM.from_pretrained(
+            self.checkpoint, socket=self.daemon.socket, **options
+        )
+
+
+def _load(checkpoint: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
+def tiny(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Tiny]:
+    name = request.param
+    root = tmp_path_factory.mktemp(f"family-{name}")
+    checkpoint = save_tiny(name, root / f"tiny-{name}")
+    base = _load(checkpoint)
+    torch.manual_seed(1)
+    settings = peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=lora_targets(base), init_lora_weights=False
+    )
+    peft_model = peft.get_peft_model(base, settings).eval()
+    adapter = root / ADAPTER
+    peft_model.save_pretrained(adapter)
+    with InProcessDaemon(checkpoint, root / "peerd.sock", [adapter]) as daemon:
+        yield Tiny(name, checkpoint, _load(checkpoint), peft_model, daemon)
+
+
+def _ids(seed: int, rows: int, length: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def test_greedy_20_tokens_through_three_servers_equal_transformers(tiny: Tiny) -> None:
+    prompt = _ids(10, 1, 8)
+    expected = tiny.local.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+    model = tiny.distributed()
+    try:
+        got = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        with torch.no_grad():
+            logits = model(prompt).logits
+    finally:
+        model.close()
+    assert got.tolist() == expected.tolist()
+    with torch.no_grad():
+        assert_close_scaled(logits, tiny.local(prompt).logits, rel=CHAINED)
+
+
+def test_a_left_padded_batch_equals_each_prompt_alone(tiny: Tiny) -> None:
+    """Three prompts of 5, 9 and 3 tokens, left-padded to 9: each row's logits (at its real
+    positions) and greedy tokens are those of the prompt sent alone."""
+    prompts = [_ids(20 + i, 1, n)[0] for i, n in enumerate((5, 9, 3))]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = prompt
+        mask[row, width - len(prompt) :] = 1
+    model = tiny.distributed()
+    try:
+        with torch.no_grad():
+            batched = model(ids, attention_mask=mask).logits
+        generated = model.generate(
+            ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+        for row, prompt in enumerate(prompts):
+            alone = prompt[None]
+            with torch.no_grad():
+                single = model(alone).logits
+            assert_close_scaled(batched[row, width - len(prompt) :], single[0], rel=CHAINED)
+            one = model.generate(alone, max_new_tokens=6, do_sample=False, pad_token_id=0)
+            new = one[0, len(prompt) :].tolist()  # fewer than 6 if it reached EOS
+            assert generated[row, width : width + len(new)].tolist() == new, row
+            assert set(generated[row, width + len(new) :].tolist()) <= {0}, "padding after EOS"
+    finally:
+        model.close()
+
+
+def test_a_peft_lora_adapter_on_the_servers_gives_pefts_output(tiny: Tiny) -> None:
+    ids = _ids(30, 2, 7)
+    with torch.no_grad():
+        expected = tiny.peft_model(ids).logits
+        with tiny.peft_model.disable_adapter():
+            plain = tiny.peft_model(ids).logits
+    model = tiny.distributed(active_adapter=ADAPTER)
+    try:
+        with torch.no_grad():
+            got = model(ids).logits
+        greedy = model.generate(ids[:1], max_new_tokens=8, do_sample=False)
+    finally:
+        model.close()
+    assert_close_scaled(got, expected, rel=CHAINED)
+    assert float((got - plain).abs().max()) > 1e-3 * float(plain.abs().max()), "adapter unused"
+    with torch.no_grad():
+        reference = tiny.peft_model.generate(input_ids=ids[:1], max_new_tokens=8, do_sample=False)
+    assert greedy.tolist() == reference.tolist()
+
+
+def test_deep_prompt_tuning_gradients_equal_local_autograd(tiny: Tiny) -> None:
+    tuned = tiny.distributed(tuning_mode="deep_ptune", pre_seq_len=PREFIX)
+    try:
+        torch.manual_seed(40)
+        with torch.no_grad():
+            assert tuned.prompt_embeddings is not None
+            assert tuned.intermediate_prompt_embeddings is not None
+            tuned.prompt_embeddings.normal_(0, 0.05)
+            tuned.intermediate_prompt_embeddings.normal_(0, 0.05)
+        ids = _ids(41, 3, 9)
+        labels = ids.clone()
+        labels[:, :4] = -100
+        loss = tuned(ids, labels=labels).loss
+        loss.backward()
+        shallow, deep = tuned.prompt_embeddings, tuned.intermediate_prompt_embeddings
+        ref_loss, ref_shallow, ref_deep = local_prompt_gradients(
+            tiny.local, ids, labels, shallow, deep
+        )
+    finally:
+        tuned.close()
+    assert math.isclose(float(loss.detach()), ref_loss, rel_tol=1e-5)
+    assert shallow.grad is not None and deep.grad is not None
+    assert relative_error(shallow.grad, ref_shallow) < GRAD_TOLERANCE
+    assert relative_error(deep.grad, ref_deep) < GRAD_TOLERANCE
+
+
+def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours - reference).norm() / reference.norm())
+
+
+def local_prompt_gradients(
+    model: Any, ids: torch.Tensor, labels: torch.Tensor, shallow: torch.Tensor, deep: torch.Tensor
+) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """Loss and prompt gradients by plain autograd on the whole model: shallow prompts before
+    the token embeddings, block i's deep prompt added to the first positions of its input by a
+    hook on that decoder layer."""
+    shallow = shallow.detach().clone().requires_grad_(True)
+    deep = deep.detach().clone().requires_grad_(True)
+    prefix = shallow.shape[0]
+
+    def add_prompt(index: int) -> Any:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            hidden = torch.cat([hidden[:, :prefix] + deep[index], hidden[:, prefix:]], 1)
+            if args:
+                return (hidden, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": hidden}
+
+        return hook
+
+    layers = decoder_layers(model)
+    hooks = [
+        layer.register_forward_pre_hook(add_prompt(i), with_kwargs=True)
+        for i, layer in enumerate(layers)
+    ]
+    try:
+        embeds = model.get_input_embeddings()(ids)
+        inputs = torch.cat([shallow.unsqueeze(0).expand(ids.shape[0], -1, -1), embeds], 1)
+        logits = model(inputs_embeds=inputs).logits[:, prefix:].contiguous()
+        loss = model.loss_function(logits=logits, labels=labels, vocab_size=logits.shape[-1])
+        loss.backward()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert shallow.grad is not None and deep.grad is not None
+    return float(loss.detach()), shallow.grad, deep.grad
