@@ -201,6 +201,9 @@ class OpenInference(Message):
     left_padding: tuple[int, ...] = spec(default=(), max_items=MAX_BATCH_SIZE, ge=0)
     """Per row, how many of its first positions are padding (prompts of different lengths,
     left-padded); () for none. The servers never attend to them."""
+    model: str | None = spec(default=None, min_len=1, max_len=MAX_MODEL_LEN)
+    """The swarm model to run the session on, by name (StatusResponse.models); None: the
+    daemon's own model."""
 
 
 @message("inference_opened")
@@ -307,6 +310,26 @@ class StatusRequest(Message):
     """Ask the daemon what it serves and what it knows of the swarm."""
 
 
+MAX_SWARM_MODELS = 64
+"""Models one StatusResponse lists: a swarm runs a handful (chat.petals.dev offers a few)."""
+
+
+@record
+class SwarmModel(Record):
+    """One model served in the swarm, as a daemon knows it (docs/swarm.md#several-models)."""
+
+    name: str = spec(min_len=1, max_len=MAX_MODEL_LEN)
+    servers: int = spec(default=0, ge=0)
+    """Servers of the model this daemon knows of."""
+    num_blocks: int = spec(default=0, ge=0, le=MAX_BLOCKS)
+    """The model's blocks; 0: unknown here (this daemon has no checkpoint of it)."""
+    blocks_served: int = spec(default=0, ge=0, le=MAX_BLOCKS)
+    """Blocks at least one online server holds: all of them (== num_blocks) is full coverage."""
+    checkpoint: str = spec(default="", max_len=4096)
+    """Where this daemon loads the model's client side from (a local directory); "": it has no
+    checkpoint of the model, so local programs cannot generate with it here."""
+
+
 @message("status_response")
 class StatusResponse(Message):
     peer_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
@@ -331,3 +354,6 @@ class StatusResponse(Message):
     any server holds count as missing."""
     addrs: tuple[str, ...] = spec(default=(), max_items=MAX_ADDRS, min_len=1, max_len=MAX_ADDR_LEN)
     """Where other machines dial this daemon (its banner's addresses), best first."""
+    models: tuple[SwarmModel, ...] = spec(default=(), max_items=MAX_SWARM_MODELS)
+    """Every model this daemon knows to be served in the swarm (its own first), and the ones it
+    can load; generate with one by naming it in Generate.model / OpenInference.model."""

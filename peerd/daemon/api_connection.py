@@ -179,8 +179,8 @@ class ApiConnection:
         assert isinstance(message, wire.Generate)
         await self.generations.run(message, self._generator_for_generate, self._session)
 
-    async def _generator_for_generate(self) -> Generator:
-        generator = await self.api.generator()
+    async def _generator_for_generate(self, model: str | None) -> Generator:
+        generator = await self.api.generator_for(model)
         self.api.generations += 1  # peerd_generations_total counts the ones that started
         return generator
 
@@ -188,7 +188,7 @@ class ApiConnection:
 
     async def _open_inference(self, message: wire.Message) -> None:
         assert isinstance(message, wire.OpenInference)
-        generator = await self.api.generator()
+        generator = await self.api.generator_for(message.model)
         try:
             inference = InferenceSession(
                 generator.swarm,

@@ -54,23 +54,27 @@ class Generations:
     async def run(
         self,
         request: wire.Generate,
-        load: Callable[[], Awaitable[Generator]],
+        load: Callable[[str | None], Awaitable[Generator]],
         find_session: Callable[[str], ApiSession],
     ) -> None:
         """Answer one Generate: GeneratedToken per token, GenerateDone per row. `load` gives
-        the daemon's generator, `find_session` the client's session of an id."""
+        the generator of the model it names, `find_session` the client's session of an id."""
         try:
-            generator = await load()
-            if request.model is not None and request.model != generator.swarm.model:
+            session = find_session(request.session_id) if request.session_id else None
+            model = request.model
+            if model is None and session is not None:  # a session's turns run its own model
+                model = session.inference.swarm.model
+            generator = await load(model)
+            if session is not None and session.inference.swarm is not generator.swarm:
                 raise ApiError(
-                    wire.ErrorCode.UNSUPPORTED,
-                    f"this daemon runs {generator.swarm.model}, not {request.model}",
+                    wire.ErrorCode.BAD_REQUEST,
+                    f"session {request.session_id} runs {session.inference.swarm.model}, not "
+                    f"{generator.swarm.model}: name its model or none",
                 )
             params = request.sampling  # validated when the request was decoded
             if request.prompts is not None:
                 await self._batch(request, generator, params)
                 return
-            session = find_session(request.session_id) if request.session_id else None
             await self._one(request, generator, params, session)
         finally:
             self._queued -= 1
@@ -101,7 +105,7 @@ class Generations:
         _check_vocabulary(new_ids, generator.client.embeddings.num_embeddings)
         if session is not None:
             _check_room(session, len(new_ids), request.max_new_tokens)
-        row = RowText(tokenizer, request.stop, eos_ids(tokenizer))
+        row = RowText(tokenizer, request.stop, generator.client.eos_token_ids)
         route: tuple[str, ...] = ()
         with self._cancellable() as scope:
             async with contextlib.AsyncExitStack() as own:
@@ -127,7 +131,7 @@ class Generations:
         tokens stream with its row index and it ends on its own (EOS, a stop sequence)."""
         assert request.prompts is not None
         tokenizer = generator.client.tokenizer
-        eos = eos_ids(tokenizer)
+        eos = generator.client.eos_token_ids
         encoded = [
             encode_prompt(tokenizer, text, chat=request.chat)[0].tolist()
             for text in request.prompts
@@ -274,13 +278,6 @@ class RowText:
         piece = text[len(self.emitted) :]
         self.emitted = text
         return piece
-
-
-def eos_ids(tokenizer: Any) -> list[int]:
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        return []
-    return list(eos) if isinstance(eos, list) else [int(eos)]
 
 
 def find_stop(text: str, stops: tuple[str, ...], emitted: int) -> int | None:

@@ -55,13 +55,28 @@ class LocalApi:
         get_generator: Callable[[], Awaitable[Generator]],
         status: Callable[[], wire.StatusResponse],
         welcome: Callable[[], wire.Welcome],
+        models: Callable[[str], Awaitable[Generator]] | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.generator = get_generator  # the client side, loaded on first use
+        self.models = models  # the generator of a model a request names (None: one model only)
         self.status = status
         self.welcome = welcome
         self.connections = 0
         self.generations = 0  # Generate requests answered (peerd_generations_total)
+
+    async def generator_for(self, model: str | None) -> Generator:
+        """The generator of the model a request names (None: the daemon's own)."""
+        if model is None:
+            return await self.generator()
+        if self.models is not None:
+            return await self.models(model)
+        generator = await self.generator()
+        if model != generator.swarm.model:
+            raise ApiError(
+                wire.ErrorCode.UNSUPPORTED, f"this daemon runs {generator.swarm.model}, not {model}"
+            )
+        return generator
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Listen on the socket until cancelled; task_status gets its path."""
@@ -148,6 +163,7 @@ def build_status(
     started_at: float,
     server: Any,
     swarm: Any,
+    models: tuple[wire.SwarmModel, ...] = (),
 ) -> wire.StatusResponse:
     records = list(swarm.records.values()) if swarm is not None else []
     return wire.StatusResponse(
@@ -163,4 +179,5 @@ def build_status(
         links=tuple(swarm.link(r.peer_id) for r in records) if swarm is not None else (),
         num_blocks=swarm.num_blocks if swarm is not None else 0,
         addrs=tuple(swarm.node.maddrs()) if swarm is not None else (),
+        models=models,
     )

@@ -4,10 +4,8 @@ block server and the swarm view, and shuts all of them down cleanly on SIGINT/SI
 from __future__ import annotations
 
 import logging
-import os
 import random
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +19,8 @@ import wire
 from peerd import __version__
 from peerd.daemon.api_connection import sole_cause
 from peerd.daemon.local_api import LocalApi, build_status
+from peerd.daemon.logs import configure_logging as configure_logging
+from peerd.daemon.models import ModelSetupError, SwarmModels, known_checkpoints
 from peerd.daemon.startup import EXPECTED_FAILURES, claim_machine
 from peerd.node.p2p import (
     INFERENCE_PROTOCOL,
@@ -38,7 +38,7 @@ from peerd.paths import default_socket_path
 from peerd.server.block_server import BlockServer, ServerLimits
 from peerd.server.compute import ComputeQueue
 from peerd.session.generation import Generator
-from peerd.session.swarm import SwarmView
+from peerd.session.swarm import REFRESH_SLACK_S, SwarmView
 from routing.block_selection import better_span, blocks_that_fit, choose_blocks, recheck_delay
 
 if TYPE_CHECKING:
@@ -93,6 +93,8 @@ class DaemonConfig:
     announce_maddrs: list[str] = field(default_factory=list)
     public_ip: str | None = None
     public_name: str = ""  # what our record calls us in status pages
+    # Checkpoints whose client side local programs may use besides `model` (peerd.daemon.models)
+    client_models: list[str] = field(default_factory=lambda: ["default"])
 
     def listen_addrs(self) -> list[str]:
         return self.host_maddrs or [f"/ip4/0.0.0.0/tcp/{self.port}"]
@@ -179,9 +181,12 @@ class Daemon:
         self.server: BlockServer | None = None
         self.started_at = time.time()
         self.metrics_port: int | None = None  # the bound port, once serving metrics
-        self._generator: Generator | None = None
+        self.models: SwarmModels | None = None  # the swarm's models, once online
         self.api: LocalApi | None = None
-        self._generator_lock = trio.Lock()
+        try:
+            self.known_models = known_checkpoints(self.model, self.checkpoint, config.client_models)
+        except ModelSetupError as e:
+            raise DaemonError(str(e)) from None
         if config.blocks is not None:
             self.blocks_spec = parse_blocks(config.blocks, self.num_blocks)
         self.adapters = self._read_adapters(config.adapters)
@@ -228,6 +233,8 @@ class Daemon:
                 swarm_name=config.swarm_name,
             )
             self.swarm.verify_fraction = config.verify_fraction
+            ttl = 2 * config.refresh_period + REFRESH_SLACK_S
+            self.models = SwarmModels(self.swarm, self.known_models, record_ttl=ttl)
             self.swarm.hear_joins_and_leaves()
             for text in config.initial_peers:
                 await self._join(text)
@@ -235,6 +242,8 @@ class Daemon:
                 if config.mdns:
                     nursery.start_soon(join_discovered_peers, node)
                 nursery.start_soon(self._reachability_forever, nursery)
+                self.models.start(nursery)
+                nursery.start_soon(self.models.prepare)
                 await self.swarm.refresh()
                 if config.blocks is not None:
                     await self._start_serving(nursery)
@@ -376,8 +385,13 @@ class Daemon:
         return LocalApi(
             socket_path=self.config.socket_path(),
             get_generator=self.generator,
+            models=self.generator,
             status=lambda: build_status(
-                peer_id=peer_id, started_at=self.started_at, server=self.server, swarm=self.swarm
+                peer_id=peer_id,
+                started_at=self.started_at,
+                server=self.server,
+                swarm=self.swarm,
+                models=self.models.listing() if self.models else (),
             ),
             welcome=lambda: wire.Welcome(
                 version=__version__,
@@ -388,15 +402,11 @@ class Daemon:
             ),
         )
 
-    async def generator(self) -> Generator:
-        """The client side (embeddings, LM head, tokenizer), loaded on first use: a server
-        that no local program talks to never holds it."""
-        async with self._generator_lock:
-            if self._generator is None:
-                assert self.swarm is not None
-                client = await trio.to_thread.run_sync(blocks.load_client_side, self.checkpoint)
-                self._generator = Generator(client, self.swarm)
-            return self._generator
+    async def generator(self, model: str | None = None) -> Generator:
+        """The client side (embeddings, LM head, tokenizer) of `model` (None: ours), loaded on
+        first use: a server that no local program talks to never holds it."""
+        assert self.models is not None
+        return await self.models.generator(model)
 
     def _print_banner(self, socket_path: Path) -> None:
         assert self.node is not None
@@ -450,34 +460,6 @@ def join_command(config: DaemonConfig, maddrs: list[str]) -> str:
     if config.swarm_name:
         args += ["--swarm", config.swarm_name]
     return f"join from another machine: {shlex.join(args)}"
-
-
-def configure_logging(level: str) -> None:
-    """One format for us and py-libp2p; libp2p's chatter only at warning and above."""
-    import libp2p  # noqa: F401  (importing it resets its loggers: configure afterwards)
-
-    logging.basicConfig(
-        level=getattr(logging, level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
-    # py-libp2p logs expected conditions (a peer that went away, a protocol a client does not
-    # speak) at ERROR with multi-line dumps; show them only when debugging.
-    quiet = logging.WARNING if level.lower() == "debug" else logging.CRITICAL
-    noisy = ("libp2p", "multiaddr", "async_service", "anyio")
-    for name in noisy:
-        logger = logging.getLogger(name)
-        logger.setLevel(quiet)
-        # py-libp2p turns propagation off at import (its lines then reach stderr unformatted,
-        # through Python's last-resort handler); through our root handler they get our format.
-        if not logger.handlers:
-            logger.propagate = True
-    # Some py-libp2p modules set their own logger's level (auto_connector: INFO), which beats
-    # the level above; the handler drops their lines below `quiet` as well.
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(lambda r: r.levelno >= quiet or r.name.split(".")[0] not in noisy)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def run(config: DaemonConfig) -> None:

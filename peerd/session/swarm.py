@@ -76,6 +76,12 @@ def model_key(model: str, swarm_name: str = "") -> str:
     return _dht_key(f"{_prefix(swarm_name)}{model}")
 
 
+def models_key(swarm_name: str = "") -> str:
+    """The swarm-wide DHT provider key every server provides whatever its model: a daemon finds
+    the models of a swarm of several by asking its providers for their records."""
+    return _dht_key(f"{_prefix(swarm_name)}models")
+
+
 def block_key(model: str, block: int, swarm_name: str = "") -> str:
     """The DHT provider key of one block: looked up only for blocks the model key did not cover
     (a DHT node keeps at most 20 providers per key, so big swarms need per-block keys)."""
@@ -124,6 +130,9 @@ class SwarmView:
         self._join_heard: dict[str, float] = {}
         self._join_lookups = trio.CapacityLimiter(JOIN_LOOKUPS)
         self._joined_meanwhile: dict[str, ServerRecord] = {}  # while a refresh runs
+        # Called with every record of our swarm a peer answers, of any model (how a daemon
+        # learns the swarm's other models: peerd.daemon.models).
+        self.on_record: Callable[[ServerRecord], None] = lambda record: None
 
     # --- announcing ---------------------------------------------------------------------------
 
@@ -131,6 +140,7 @@ class SwarmView:
         """Provide the model key and our blocks' keys in the DHT; called every refresh period."""
         name = self.swarm_name
         keys = [model_key(self.model, name), *(block_key(self.model, b, name) for b in blocks)]
+        keys.append(models_key(name))
         for key in keys:
             try:
                 await self.node.dht.provide(key)
@@ -155,8 +165,12 @@ class SwarmView:
         """Peers the DHT lists for the model, and for each of `blocks` (not yet confirmed)."""
         own = self.own_record()
         found: dict[str, PeerInfo] = {}
-        for info in await self._providers(model_key(self.model, self.swarm_name), own is not None):
-            found.setdefault(info.peer_id.to_string(), info)
+        keys = [model_key(self.model, self.swarm_name)]
+        if not blocks:  # servers of every model: their records name the swarm's models
+            keys.append(models_key(self.swarm_name))
+        for key in keys:
+            for info in await self._providers(key, own is not None):
+                found.setdefault(info.peer_id.to_string(), info)
         # Look-ups of the same peers at once overload py-libp2p's stream negotiation; a few
         # at a time is as fast on a small swarm and kinder on a big one.
         limiter = trio.CapacityLimiter(BLOCK_LOOKUP_CONCURRENCY)
@@ -222,10 +236,13 @@ class SwarmView:
         except ValueError as e:
             log.info("peer %s sent a bad record: %s", peer_id, e)
             return None
-        if record.peer_id != peer_id or record.model != self.model:
+        if record.peer_id != peer_id:
             return None
         if record.swarm != self.swarm_name:  # met through mDNS or a shared DHT node
             log.debug("peer %s serves swarm %r, not ours", peer_id, record.swarm)
+            return None
+        self.on_record(record)
+        if record.model != self.model:
             return None
         self.rtts.record(peer_id, time.perf_counter() - started)
         # Expiry on our own clock (peers' clocks may be off): a server that stops answering
