@@ -151,10 +151,10 @@ def _check_matrices(
 ) -> None:
     """AdapterError unless every tensor is the A or B half of a pair, both present, for a linear
     layer of a block the model has, in that layer's shape."""
-    # Every block's layer has the same modules and shapes: one, on the meta device (no memory),
-    # tells whether each matrix fits, so a wrong adapter fails here and not after joining.
-    with torch.device("meta"):
-        layer = family.layer_class(config, layer_idx=0)
+    # A layer on the meta device (no memory) tells whether each matrix fits, so a wrong adapter
+    # fails here and not after joining. Blocks may differ (Qwen2-MoE's dense and sparse MLPs):
+    # each is checked against a layer of its own index.
+    layers: dict[int, nn.Module] = {}
     num_blocks = int(config.num_hidden_layers)
     halves: dict[tuple[int, str], str] = {}
     for tensor_name, shape in shapes.items():
@@ -165,7 +165,10 @@ def _check_matrices(
                 f"adapter {info.name} changes block {block}, but the model has blocks "
                 f"0:{num_blocks}: it was trained for another model"
             )
-        base = _linear(layer, module, info.name, block)
+        if block not in layers:
+            with torch.device("meta"):
+                layers[block] = family.layer_class(config, layer_idx=block)
+        base = _linear(layers[block], module, info.name, block)
         a_shape = shape if which == "A" else [info.r, base.in_features]
         b_shape = shape if which == "B" else [base.out_features, info.r]
         _check_pair(info, block, module, base, a_shape, b_shape)

@@ -326,3 +326,36 @@ def local_prompt_gradients(
             hook.remove()
     assert shallow.grad is not None and deep.grad is not None
     return float(loss.detach()), shallow.grad, deep.grad
+
+
+def test_an_adapter_on_blocks_of_different_shapes_is_read_per_block(tmp_path: Path) -> None:
+    """Qwen2-MoE with a dense first block (mlp_only_layers): its adapter changes mlp.down_proj
+    in block 0 and mlp.shared_expert.down_proj in block 1, each checked against its own block."""
+    from transformers import Qwen2MoeConfig
+
+    if "qwen2_moe" not in blocks.FAMILIES:
+        pytest.skip("no qwen2_moe family yet")
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+    )
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(config)
+    base.save_pretrained(tmp_path / "moe")
+    settings = peft.LoraConfig(r=2, target_modules=["down_proj"], init_lora_weights=False)
+    peft.get_peft_model(base, settings).save_pretrained(tmp_path / "a")
+    loaded = blocks.load_config(tmp_path / "moe")
+    info = blocks.read_adapter(tmp_path / "a", loaded, blocks.family_of(loaded))
+    assert any("layers.0.mlp.down_proj" in name for name in info.tensor_names)
+    assert any("layers.1.mlp.shared_expert.down_proj" in name for name in info.tensor_names)
+    span = blocks.load_span(tmp_path / "moe", 0, 2, adapters=[tmp_path / "a"])
+    assert span.adapters == ("a",)
