@@ -73,6 +73,7 @@ def _options(
     seed: int | None,
     stop: list[str],
     adapter: str | None = None,
+    model: str | None = None,
 ) -> Any:
     from peerd.sdk.client import GenerateOptions
 
@@ -86,6 +87,7 @@ def _options(
         seed=seed,
         stop=tuple(stop),
         active_adapter=adapter,
+        model=model,
     )
 
 
@@ -100,6 +102,11 @@ SEED = typer.Option(None, min=0, help="Seed for reproducible sampling.")
 STOP = typer.Option([], "--stop", help="Stop sequence (repeatable).")
 ADAPTER = typer.Option(
     None, "--adapter", help="LoRA adapter to generate with (`peerd status` lists them)."
+)
+MODEL_NAME = typer.Option(
+    None,
+    "--model",
+    help="A model of the swarm by name (`peerd status` lists them; default: the daemon's).",
 )
 ALLOWED_SERVERS = typer.Option(
     [], "--allowed-server", help="Route only through this peer id (repeatable; default: any)."
@@ -151,6 +158,7 @@ def generate(
     seed: int | None = SEED,
     stop: list[str] = STOP,
     adapter: str | None = ADAPTER,
+    model: str | None = MODEL_NAME,
     allowed_server: list[str] = ALLOWED_SERVERS,
     blocked_server: list[str] = BLOCKED_SERVERS,
     max_retries: int | None = MAX_RETRIES,
@@ -174,6 +182,7 @@ def generate(
         seed,
         stop,
         adapter,
+        model,
     )
     routing = _routing(
         allowed_server, blocked_server, max_retries, connect_timeout, request_timeout, show_route
@@ -219,6 +228,7 @@ def chat(
     repetition_penalty: float = REPETITION_PENALTY,
     seed: int | None = SEED,
     adapter: str | None = ADAPTER,
+    model: str | None = MODEL_NAME,
     allowed_server: list[str] = ALLOWED_SERVERS,
     blocked_server: list[str] = BLOCKED_SERVERS,
     max_retries: int | None = MAX_RETRIES,
@@ -230,7 +240,16 @@ def chat(
     from peerd.sdk.terminal import run_chat, stream_answer
 
     options = _options(
-        max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, seed, [], adapter
+        max_new_tokens,
+        do_sample,
+        temperature,
+        top_k,
+        top_p,
+        repetition_penalty,
+        seed,
+        [],
+        adapter,
+        model,
     )
     routing = _routing(
         allowed_server, blocked_server, max_retries, connect_timeout, request_timeout, show_route

@@ -86,6 +86,12 @@ PUBLIC_IP = typer.Option(
 PUBLIC_NAME = typer.Option(
     "", "--public-name", help="A name for this server in status pages (Petals' public_name)."
 )
+CLIENT_MODELS = typer.Option(
+    ["default"],
+    "--client-models",
+    help="Another model local programs may generate with when the swarm serves it: 'default' "
+    "or a checkpoint dir (repeatable; `peerd generate --model NAME`).",
+)
 REACHABILITY = typer.Option(
     "auto", help="auto (peers dial us back: AutoNAT), public, or private (behind NAT: use relays)."
 )
@@ -119,6 +125,7 @@ def start(
     announce_maddrs: list[str] = ANNOUNCE_MADDRS,
     public_ip: str | None = PUBLIC_IP,
     public_name: str = PUBLIC_NAME,
+    client_models: list[str] = CLIENT_MODELS,
 ) -> None:
     """Serve blocks of a model to the swarm and route generations for local clients."""
     from peerd.daemon.main import DaemonError, configure_logging, run
@@ -163,7 +170,7 @@ def _daemon_config(flags: dict[str, Any]) -> DaemonConfig:
     del flags["log_level"]  # the process's, not the daemon's
     if flags["blocks"] == "none":
         flags["blocks"] = None  # serve nothing: a pure client of the swarm
-    for many in ("initial_peers", "host_maddrs", "adapters", "announce_maddrs"):
+    for many in ("initial_peers", "host_maddrs", "adapters", "announce_maddrs", "client_models"):
         flags[many] = list(flags[many])
     return DaemonConfig(**flags)
 

@@ -115,6 +115,7 @@ def create_app(
             Route("/swarm", monitor.swarm_page),
             Route("/api/v1/swarm", monitor.swarm_json),
             Route("/api/v1/generate", petals.v1_generate, methods=["POST"]),
+            Route("/api/v1/models", petals.v1_models),
             WebSocketRoute("/api/v2/generate", petals.v2_generate),
             Route("/v1/models", openai_api.list_models),
             Route("/v1/models/{model:path}", openai_api.get_model),

@@ -1,6 +1,12 @@
-"""The gateway's hold on the local daemon: what model it runs (name, tokenizer, context length),
-connections to it through peerd.sdk.client.AsyncClient, and one generation as a stream of text
-pieces.
+"""The gateway's hold on the local daemon: the models it can generate with (name, tokenizer,
+context length), connections to it through peerd.sdk.client.AsyncClient, and one generation as a
+stream of text pieces.
+
+Several models: the daemon's own is the gateway's default (also called "default"); another model
+of the swarm is offered when the daemon lists it with a checkpoint it can load and every block of
+it is served (docs/gateway.md#several-models). A requested name is checked (routing.models)
+before anything is looked up by it; the tokenizer loads from the directory the daemon reports,
+never from a path a request gave.
 
 Every API of the gateway is a translation onto `DaemonLink.generate`; errors become
 `GatewayError`, which each API renders in its own shape.
@@ -8,6 +14,7 @@ Every API of the gateway is a translation onto `DaemonLink.generate`; errors bec
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
@@ -19,8 +26,10 @@ import anyio
 
 import wire
 from peerd.sdk.client import AsyncClient, GenerateOptions, PeerdError
+from routing.models import is_model_name
 from routing.planner import NoRouteError
 from routing.records import SwarmSnapshot, contiguous_ranges, info_to_record
+from wire.local_api import MAX_SWARM_MODELS
 from wire.peer_protocol import DEFAULT_SESSIONS_PER_PEER, MAX_SESSION_TOKENS
 
 SESSION_SLOTS = DEFAULT_SESSIONS_PER_PEER
@@ -164,6 +173,7 @@ class DaemonLink:
         self.socket_path = socket_path
         self.checkpoint = checkpoint
         self._facts: ModelFacts | None = None
+        self._other_facts: dict[str, ModelFacts] = {}  # the swarm's other models, by name
         self._facts_lock = anyio.Lock()
         self._slots = anyio.Semaphore(SESSION_SLOTS)
         self.generations_in_flight = 0
@@ -205,9 +215,12 @@ class DaemonLink:
             self._slots.release()
 
     async def generate(
-        self, sampling: Sampling, **request: Any
+        self, sampling: Sampling, model: ModelFacts | None = None, **request: Any
     ) -> AsyncGenerator[Piece | Done, None]:
-        """run_generation on a connection of its own, holding a session slot throughout."""
+        """run_generation (with `model`, else the daemon's own) on a connection of its own,
+        holding a session slot throughout."""
+        if model is not None:
+            sampling = dataclasses.replace(sampling, model=model.name)
         async with (
             self.session_slot(),
             self.connect() as client,
@@ -216,40 +229,64 @@ class DaemonLink:
             async for item in events:
                 yield item
 
-    async def model(self) -> ModelFacts:
-        """What the daemon runs, learnt on first use (the tokenizer loads once)."""
+    async def model(self, requested: str | None = None, param: str = "model") -> ModelFacts:
+        """The model a request names (None, "" or "default": the daemon's own), learnt on first
+        use (each tokenizer loads once); 404 naming the models there are for any other name."""
         async with self._facts_lock:
             if self._facts is None:
                 async with self.connect() as client:
                     welcome = client.welcome
                 assert welcome is not None
-                self._facts = await anyio.to_thread.run_sync(self._load_facts, welcome)
-            return self._facts
+                source = self.checkpoint or welcome.model
+                self._facts = await anyio.to_thread.run_sync(
+                    _load_facts, welcome.model, welcome.num_blocks, source
+                )
+            if self._facts.accepts(requested):
+                return self._facts
+            assert requested is not None
+            if (facts := self._other_facts.get(requested)) is None:
+                facts = await self._load_other(requested, param)
+            return facts
 
-    def _load_facts(self, welcome: wire.Welcome) -> ModelFacts:
-        from transformers import AutoTokenizer
-
-        import blocks
-        from blocks.checkpoint import load_config
-
-        try:
-            path = blocks.resolve_checkpoint(self.checkpoint or welcome.model)
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-            config = load_config(path)
-        except (OSError, ValueError, blocks.BlocksError) as e:
+    async def _load_other(self, requested: str, param: str) -> ModelFacts:
+        """Another model of the swarm, if the daemon can generate with it (caller holds the
+        lock); its tokenizer loads from the checkpoint directory the daemon reports."""
+        assert self._facts is not None
+        own = self._facts.name
+        listed = await self.swarm_models()
+        entry = next((m for m in listed if m.name == requested), None)
+        if entry is None or not is_model_name(requested):
+            names = ", ".join([own, *(m.name for m in listed if m.name != own)])
             raise GatewayError(
-                503,
+                404,
                 "model_not_found",
-                f"the daemon runs {welcome.model}, whose tokenizer this gateway cannot load "
-                f"({e}): give the checkpoint directory with `peerd gateway --model DIR`",
-            ) from e
-        context = getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length
-        return ModelFacts(
-            name=welcome.model,
-            num_blocks=welcome.num_blocks,
-            context_length=int(min(context, MAX_SESSION_TOKENS)),
-            tokenizer=tokenizer,
+                f"no model {requested[:80]!r} here: this gateway serves {names}",
+                param,
+            )
+        facts = await anyio.to_thread.run_sync(
+            _load_facts, entry.name, entry.num_blocks, entry.checkpoint
         )
+        if len(self._other_facts) < MAX_SWARM_MODELS:
+            self._other_facts[entry.name] = facts
+        return facts
+
+    async def swarm_models(self) -> list[wire.SwarmModel]:
+        """The daemon's other models a request may name: served in full, with a checkpoint the
+        daemon (and so this gateway, on the same machine) can load."""
+        async with self.connect() as client:
+            try:
+                listed = await client.models()
+            except PeerdError as e:
+                raise daemon_error(e) from e
+        return [
+            m for m in listed if m.checkpoint and m.num_blocks and m.blocks_served == m.num_blocks
+        ]
+
+    async def model_names(self) -> list[str]:
+        """Every model a request may name: the daemon's own first, then the others served in
+        full (swarm_models)."""
+        own = (await self.model()).name
+        return [own, *(m.name for m in await self.swarm_models() if m.name != own)]
 
     async def swarm_view(self) -> tuple[wire.StatusResponse, SwarmSnapshot]:
         """The daemon's status, and the servers it knows of as a snapshot of its model."""
@@ -284,9 +321,44 @@ class DaemonLink:
             ],
             "missing_blocks": [[a, b] for a, b in missing],
             "message": str(NoRouteError(facts.name, missing, {})) if missing else None,
+            "models": [
+                {"name": facts.name, "num_blocks": facts.num_blocks},
+                *(
+                    {"name": m.name, "num_blocks": m.num_blocks}
+                    for m in await self.swarm_models()
+                    if m.name != facts.name
+                ),
+            ],
             "generations_in_flight": self.generations_in_flight,
             "generation_slots": SESSION_SLOTS,
         }
+
+
+def _load_facts(name: str, num_blocks: int, source: str | Path) -> ModelFacts:
+    """A model's tokenizer and context length, from its checkpoint (`source`)."""
+    from transformers import AutoTokenizer
+
+    import blocks
+    from blocks.checkpoint import load_config
+
+    try:
+        path = blocks.resolve_checkpoint(source)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        config = load_config(path)
+    except (OSError, ValueError, blocks.BlocksError) as e:
+        raise GatewayError(
+            503,
+            "model_not_found",
+            f"the daemon runs {name}, whose tokenizer this gateway cannot load "
+            f"({e}): give the checkpoint directory with `peerd gateway --model DIR`",
+        ) from e
+    context = getattr(config, "max_position_embeddings", None) or tokenizer.model_max_length
+    return ModelFacts(
+        name=name,
+        num_blocks=num_blocks,
+        context_length=int(min(context, MAX_SESSION_TOKENS)),
+        tokenizer=tokenizer,
+    )
 
 
 async def run_generation(

@@ -208,13 +208,14 @@ def _model_card(facts: ModelFacts) -> dict[str, Any]:
 
 
 async def list_models(request: Request) -> Response:
-    facts = await _link(request).model()
-    return JSONResponse({"object": "list", "data": [_model_card(facts)]})
+    """The daemon's own model, then every other model of the swarm served in full."""
+    names = await _link(request).model_names()
+    cards = [{"id": n, "object": "model", "created": 0, "owned_by": "peerd"} for n in names]
+    return JSONResponse({"object": "list", "data": cards})
 
 
 async def get_model(request: Request) -> Response:
-    facts = await _link(request).model()
-    facts.check_model(request.path_params["model"])
+    facts = await _link(request).model(request.path_params["model"])
     return JSONResponse(_model_card(facts))
 
 
@@ -296,21 +297,19 @@ class _Completion:
 async def chat_completions(request: Request) -> Response:
     link = _link(request)
     body = validate(ChatRequest, await read_json(request))
-    facts = await link.model()
-    facts.check_model(body.model)
+    facts = await link.model(body.model)
     ids = await facts.encode_chat(body.conversation())
     explicit = body.max_completion_tokens or body.max_tokens
     budget = _max_new_tokens(facts, len(ids), explicit, DEFAULT_CHAT_MAX_TOKENS)
     completion = _Completion(True, facts.name, len(ids))
-    events = link.generate(body.sampling(budget), input_ids=ids)
+    events = link.generate(body.sampling(budget), facts, input_ids=ids)
     return await _answer(request, body, completion, events)
 
 
 async def completions(request: Request) -> Response:
     link = _link(request)
     body = validate(CompletionRequest, await read_json(request))
-    facts = await link.model()
-    facts.check_model(body.model)
+    facts = await link.model(body.model)
     prompt = body.prompt
     if isinstance(prompt, list) and isinstance(prompt[0], int):
         ids = [int(i) for i in prompt]
@@ -327,7 +326,7 @@ async def completions(request: Request) -> Response:
             raise GatewayError(400, "invalid_request", "prompt is empty", "prompt")
     budget = _max_new_tokens(facts, len(ids), body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
     completion = _Completion(False, facts.name, len(ids), echo=text if body.echo else "")
-    events = link.generate(body.sampling(budget), input_ids=ids)
+    events = link.generate(body.sampling(budget), facts, input_ids=ids)
     return await _answer(request, body, completion, events)
 
 

@@ -117,8 +117,7 @@ async def v1_generate(request: Request) -> Response:
             "WebSocket API /api/v2/generate",
             "session_id",
         )
-    facts = await link.model()
-    facts.check_model(body.model)
+    facts = await link.model(body.model)
     ids = await facts.encode(body.inputs)
     if body.max_new_tokens is not None:
         budget = body.max_new_tokens
@@ -138,12 +137,24 @@ async def v1_generate(request: Request) -> Response:
 
     async def run() -> str:
         text = []
-        async for item in link.generate(body.sampling(budget), input_ids=ids):
+        async for item in link.generate(body.sampling(budget), facts, input_ids=ids):
             if isinstance(item, Piece):
                 text.append(item.text)
         return "".join(text)
 
     return JSONResponse({"ok": True, "outputs": await until_disconnected(request, run)})
+
+
+async def v1_models(request: Request) -> Response:
+    """Every model a request may name (`model`): the daemon's own first (the default), then
+    the swarm's others that are served in full and that the daemon can load."""
+    link: DaemonLink = request.app.state.link
+    own = await link.model()
+    models = [{"name": own.name, "num_blocks": own.num_blocks, "default": True}]
+    for m in await link.swarm_models():
+        if m.name != own.name:
+            models.append({"name": m.name, "num_blocks": m.num_blocks, "default": False})
+    return JSONResponse({"ok": True, "models": models})
 
 
 # --- v2 -------------------------------------------------------------------------------------
@@ -268,8 +279,7 @@ class _V2Session:
             if isinstance(request, GatewayError):
                 raise request
             opening = validate(V2Open, request)
-            facts = await self.link.model()
-            facts.check_model(opening.model)
+            facts = await self.link.model(opening.model)
             if opening.max_length > facts.context_length:
                 raise GatewayError(
                     400,
@@ -280,7 +290,7 @@ class _V2Session:
                 )
             async with self.link.session_slot(), self.link.connect() as client:
                 try:
-                    session_id = await client.open_session(opening.max_length)
+                    session_id = await client.open_session(opening.max_length, model=facts.name)
                 except PeerdError as e:
                     raise daemon_error(e) from e
                 self.max_length = opening.max_length

@@ -109,6 +109,12 @@ class AsyncClient(RouteControls):
     async def status(self) -> wire.StatusResponse:
         return await self._request(wire.StatusRequest(), wire.StatusResponse)
 
+    async def models(self) -> list[wire.SwarmModel]:
+        """The models served in the swarm as the daemon knows them, its own first; generate with
+        one by name (`model=`). A model is ready when `blocks_served == num_blocks` and the
+        daemon has its `checkpoint`."""
+        return list((await self.status()).models)
+
     # --- generation -------------------------------------------------------------------------
 
     async def stream_tokens(
@@ -192,11 +198,13 @@ class AsyncClient(RouteControls):
         batch_size: int = 1,
         active_adapter: str | None = None,
         left_padding: tuple[int, ...] = (),
+        model: str | None = None,
     ) -> str:
         """A session through the swarm (with LoRA `active_adapter` on every hop when given;
-        `left_padding`: per row, padding positions at its start); `last_route` lists its hops."""
+        `left_padding`: per row, padding positions at its start; `model`: a model of the swarm
+        by name, None: the daemon's); `last_route` lists its hops."""
         opened = await self._request(
-            open_request(max_length, batch_size, active_adapter, self.routing, left_padding),
+            open_request(max_length, batch_size, active_adapter, self.routing, left_padding, model),
             wire.InferenceOpened,
         )
         self._route_used(opened.route)

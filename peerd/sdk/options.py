@@ -92,6 +92,7 @@ class GenerateOptions:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     active_adapter: str | None = None  # a LoRA adapter the servers apply (None: the base model)
+    model: str | None = None  # a model of the swarm, by name (Client.models()); None: the daemon's
 
     @classmethod
     def merged(cls, options: GenerateOptions | None, changes: Mapping[str, Any]) -> GenerateOptions:
@@ -154,6 +155,7 @@ def generate_request(
             session_id=session_id,
             active_adapter=options.active_adapter,
             routing=routing,
+            model=options.model,
         )
     except (wire.ProtocolError, ValueError, TypeError) as e:
         raise PeerdError(wire.ErrorCode.BAD_REQUEST, str(e)) from e
@@ -165,6 +167,7 @@ def open_request(
     active_adapter: str | None,
     routing: wire.RouteOptions | None = None,
     left_padding: tuple[int, ...] = (),
+    model: str | None = None,
 ) -> wire.OpenInference:
     """The OpenInference message for one session. Raises PeerdError."""
     try:
@@ -174,6 +177,7 @@ def open_request(
             active_adapter=active_adapter,
             routing=routing,
             left_padding=tuple(left_padding),
+            model=model,
         )
     except (wire.ProtocolError, ValueError, TypeError) as e:
         raise PeerdError(wire.ErrorCode.BAD_REQUEST, str(e)) from e

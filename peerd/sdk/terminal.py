@@ -88,9 +88,10 @@ def run_chat(
     out: TextIO = sys.stdout,
 ) -> None:
     """An interactive chat in one inference session: every turn reuses the servers' caches."""
-    session = client.open_session(CHAT_MAX_LENGTH, active_adapter=options.active_adapter)
+    session = _open_chat(client, options)
     route = client.last_route
-    out.write(f"peerd chat with {client.welcome.model} through {len(route)} servers. {HELP}\n")
+    model = options.model or client.welcome.model
+    out.write(f"peerd chat with {model} through {len(route)} servers. {HELP}\n")
     out.flush()
     source = iter(lines) if lines is not None else None
     at_terminal = source is None and sys.stdin.isatty()
@@ -114,7 +115,7 @@ def run_chat(
             break
         if text == "/reset":
             client.close_session(session)
-            session = client.open_session(CHAT_MAX_LENGTH, active_adapter=options.active_adapter)
+            session = _open_chat(client, options)
             route = client.last_route
             out.write("(new conversation)\n")
             continue
@@ -135,6 +136,12 @@ def run_chat(
         out.write(f"[{tokens} tokens, {tokens / max(seconds, 1e-9):.1f} tokens/s{stopped}]\n")
         out.flush()
     client.close_session(session)
+
+
+def _open_chat(client: Client, options: GenerateOptions) -> str:
+    return client.open_session(
+        CHAT_MAX_LENGTH, active_adapter=options.active_adapter, model=options.model
+    )
 
 
 def servers_per_block(status: wire.StatusResponse) -> list[int]:
@@ -201,7 +208,25 @@ def format_status(status: wire.StatusResponse) -> str:
             f"{info.throughput:>7.1f} {shown_rtt:>7} {link:<8} {info.free_cache_tokens:>10} "
             f"{','.join(info.adapters) or '-'}"
         )
-    return "\n".join(lines + _addresses(status))
+    return "\n".join(lines + _addresses(status) + models_lines(status))
+
+
+def models_lines(status: wire.StatusResponse) -> list[str]:
+    """The swarm's models (when it serves more than this daemon's): each with its servers, its
+    coverage, and whether `peerd generate --model NAME` can use it here."""
+    if len(status.models) < 2:
+        return []
+    lines = ["", "models in the swarm (peerd generate --model NAME):"]
+    for m in status.models:
+        if not m.num_blocks:
+            coverage = "blocks unknown here"
+        elif m.blocks_served == m.num_blocks:
+            coverage = f"all {m.num_blocks} blocks served"
+        else:
+            coverage = f"{m.blocks_served} of {m.num_blocks} blocks served"
+        usable = "" if m.checkpoint else "; no checkpoint here (peerd start --client-models DIR)"
+        lines.append(f"  {m.name}: {m.servers} servers, {coverage}{usable}")
+    return lines
 
 
 def _addresses(status: wire.StatusResponse) -> list[str]:
@@ -267,7 +292,8 @@ def status_table(status: wire.StatusResponse) -> Any:
             str(info.free_cache_tokens),
             ", ".join(info.adapters) or "-",
         )
-    parts += [Text(""), table, *(Text(line) for line in _addresses(status))]
+    lines = _addresses(status) + models_lines(status)
+    parts += [Text(""), table, *(Text(line) for line in lines)]
     return Group(*parts)
 
 

@@ -1,13 +1,15 @@
 // The web chat: one v2 WebSocket session per conversation (the servers' caches keep the turns,
 // so each turn sends only its new tokens), answers streamed piece by piece, and a warning when
-// the swarm lacks blocks. Text goes into the page with textContent only, never as HTML.
+// the swarm lacks blocks. With several models served in full, a picker chooses one (a new
+// conversation each time). Text goes into the page with textContent only, never as HTML.
 "use strict";
 
 const SESSION_MAX_LENGTH = 2048;
 const STATUS_EVERY_MS = 15000;
 
 const $ = (id) => document.getElementById(id);
-const state = { socket: null, opening: null, reply: null };
+// model: the name picked (null: the gateway's default model).
+const state = { socket: null, opening: null, reply: null, model: null };
 
 function wsUrl() {
   const scheme = location.protocol === "https:" ? "wss://" : "ws://";
@@ -47,7 +49,10 @@ async function refreshStatus() {
       showWarning(status.traceback);
       return;
     }
-    $("model").textContent = `${status.model} · ${status.num_blocks} blocks`;
+    const models = status.models || [{ name: status.model, num_blocks: status.num_blocks }];
+    showModels(models);
+    const shown = models.find((m) => m.name === state.model) || models[0];
+    $("model").textContent = `${shown.name} · ${shown.num_blocks} blocks`;
     const servers = status.servers.filter((s) => s.state === "online").length;
     $("swarm").textContent = `${servers} server${servers === 1 ? "" : "s"} online`;
     showWarning(status.message ? `The swarm lacks blocks: ${status.message}.` : "");
@@ -57,13 +62,41 @@ async function refreshStatus() {
   }
 }
 
+function showModels(models) {
+  // The picker lists the models the gateway offers; it shows only when there are several.
+  const picker = $("model-picker");
+  const names = models.map((m) => m.name);
+  if (state.model !== null && !names.includes(state.model)) state.model = null;
+  const current = Array.from(picker.options, (o) => o.value);
+  if (current.join("\n") !== names.join("\n")) {
+    picker.replaceChildren(...names.map((name) => {
+      const option = document.createElement("option");
+      option.value = name;
+      option.textContent = name;
+      return option;
+    }));
+  }
+  picker.value = state.model ?? names[0];
+  $("model-choice").hidden = names.length < 2;
+}
+
+function pickModel() {
+  const picked = $("model-picker").value;
+  if (picked === (state.model ?? $("model-picker").options[0]?.value)) return;
+  state.model = picked;
+  newChat();  // a conversation runs on one model
+  refreshStatus();
+}
+
 function openSession() {
   // Resolves with an open socket whose inference session is ready.
   return new Promise((resolve, reject) => {
     const socket = new WebSocket(wsUrl(), apiKey.protocols());
     let opened = false;
     socket.onopen = () => {
-      socket.send(JSON.stringify({ type: "open_inference_session", max_length: SESSION_MAX_LENGTH }));
+      const opening = { type: "open_inference_session", max_length: SESSION_MAX_LENGTH };
+      if (state.model !== null) opening.model = state.model;
+      socket.send(JSON.stringify(opening));
     };
     socket.onmessage = (event) => {
       const data = JSON.parse(event.data);
@@ -204,6 +237,7 @@ document.addEventListener("DOMContentLoaded", () => {
     if (state.socket) state.socket.send(JSON.stringify({ type: "cancel" }));
   });
   $("new-chat").addEventListener("click", newChat);
+  $("model-picker").addEventListener("change", pickModel);
   refreshStatus();
   setInterval(refreshStatus, STATUS_EVERY_MS);
   $("prompt").focus();
