@@ -2,7 +2,13 @@
 (embeddings, final norm, LM head) and the default model."""
 
 from blocks.cache import MemoryCache, SpanSession, check_left_padding
-from blocks.checkpoint import load_config, model_name, resolve_checkpoint
+from blocks.checkpoint import (
+    GenerationDefaults,
+    generation_defaults,
+    load_config,
+    model_name,
+    resolve_checkpoint,
+)
 from blocks.client_side import ClientSide, load_client_side
 from blocks.errors import (
     BlocksError,
@@ -25,6 +31,7 @@ __all__ = [
     "CacheFull",
     "ClientSide",
     "Family",
+    "GenerationDefaults",
     "MemoryCache",
     "ModelNotFoundError",
     "SessionOverflow",
@@ -36,6 +43,7 @@ __all__ = [
     "block_bytes",
     "check_left_padding",
     "family_of",
+    "generation_defaults",
     "load_client_side",
     "load_config",
     "load_span",

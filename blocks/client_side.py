@@ -10,7 +10,14 @@ import torch
 from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from blocks.checkpoint import CheckpointTensors, load_config, model_name, resolve_checkpoint
+from blocks.checkpoint import (
+    CheckpointTensors,
+    GenerationDefaults,
+    generation_defaults,
+    load_config,
+    model_name,
+    resolve_checkpoint,
+)
 from blocks.errors import ModelNotFoundError
 from blocks.families import Family, family_of, prepare_config
 
@@ -59,6 +66,20 @@ class ClientSide(nn.Module):
                 f"{self.checkpoint} has no usable tokenizer ({e}); save one there with "
                 "tokenizer.save_pretrained(dir)"
             ) from e
+
+    @cached_property
+    def generation_defaults(self) -> GenerationDefaults:
+        """Sampling defaults and end-of-sequence ids from the checkpoint's generation_config.json
+        (peerd.session.generation applies them where a request leaves a value unset)."""
+        return generation_defaults(self.checkpoint)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids that end a sequence: the tokenizer's EOS, then any generation_config.json adds
+        (Llama 3 Instruct ends a turn with <|eot_id|>, which only its generation config names)."""
+        eos = self.tokenizer.eos_token_id
+        ids = [] if eos is None else list(eos) if isinstance(eos, list) else [int(eos)]
+        return ids + [i for i in self.generation_defaults.eos_token_ids if i not in ids]
 
 
 def load_client_side(

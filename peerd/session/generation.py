@@ -11,6 +11,7 @@ it costs less than the hand-off would. A single prompt is a batch of one: every 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,13 +19,31 @@ from typing import Any
 import torch
 
 import wire
-from blocks import ClientSide
+from blocks import ClientSide, GenerationDefaults
 from peerd.session.coalesce import Coalescer
 from peerd.session.inference import InferenceSession
 from peerd.session.swarm import SwarmView
 
 SamplingParams = wire.Sampling
 """How to pick the next token: the local API's own record (validated on decode), defaults greedy."""
+
+
+def with_defaults(params: SamplingParams, defaults: GenerationDefaults) -> SamplingParams:
+    """`params` with the checkpoint's generation_config.json values where the request left the
+    local API's default: repetition_penalty 1.0; when sampling, temperature 1.0 and no top_k or
+    top_p. A value the request sets wins. Greedy stays greedy: the wire cannot tell "greedy" asked
+    for from nothing asked, so do_sample is the request's alone (docs/blocks.md#hub-checkpoints)."""
+    changes: dict[str, float | int] = {}
+    if params.repetition_penalty == 1.0 and defaults.repetition_penalty is not None:
+        changes["repetition_penalty"] = defaults.repetition_penalty
+    if params.do_sample:
+        if params.temperature == 1.0 and defaults.temperature is not None:
+            changes["temperature"] = defaults.temperature
+        if params.top_k is None and defaults.top_k is not None:
+            changes["top_k"] = defaults.top_k
+        if params.top_p is None and defaults.top_p is not None:
+            changes["top_p"] = defaults.top_p
+    return dataclasses.replace(params, **changes) if changes else params
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -153,7 +172,7 @@ class Generator:
         LoRA `adapter` on every hop when given, and `left_padding` (per row: padding positions at
         the start of `input_ids`).
         """
-        params = params or SamplingParams()
+        params = with_defaults(params or SamplingParams(), self.client.generation_defaults)
         generator = sampling_generator(params.seed)
         async with contextlib.AsyncExitStack() as own:
             if session is None:
