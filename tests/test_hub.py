@@ -22,7 +22,9 @@ import blocks
 import blocks.checkpoint
 import wire
 from blocks.checkpoint import INDEX_FILE
-from peerd.session.generation import with_defaults
+from peerd.session.generation import Generator, with_defaults
+from peerd.session.swarm import SwarmView
+from tests.memnet import open_memnet
 from tests.numeric import SAME, assert_close_scaled
 from tests.tiny_models import SMALL
 
@@ -242,6 +244,39 @@ def test_generation_config_gives_defaults_the_request_did_not_set(
     )
     # Greedy stays greedy; the repetition penalty applies to it, as in transformers.
     assert with_defaults(wire.Sampling(), defaults) == wire.Sampling(repetition_penalty=1.05)
+
+
+async def test_three_servers_of_a_hub_model_generate_as_transformers_with_its_defaults(
+    tmp_path: Path, offline_cache: Path
+) -> None:
+    """Greedy through three in-process servers, each loading its span by the Hub id: the same
+    tokens as transformers' generate, which applies the checkpoint's repetition penalty and
+    stops at its extra EOS id as well."""
+    source = _checkpoint(tmp_path / "source", tied=False)
+    generation = {"repetition_penalty": 1.8, "eos_token_id": [2, 3], "bos_token_id": 1}
+    (source / "generation_config.json").write_text(json.dumps(generation))
+    _hub_cache(offline_cache, source)
+    prompt = torch.tensor([[1, 7, 6, 5, 4]])
+    reference = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = reference.generate(prompt, max_new_tokens=16, do_sample=False)[0, 5:]
+    # This model repeats a token by step 6 without the penalty, and ends with <eot> (3) after 9.
+    assert expected.tolist()[-1] == 3 and len(expected) < 16
+
+    async with open_memnet() as net:
+        for name, (start, end) in {"a": (0, 2), "b": (2, 5), "c": (5, NUM_LAYERS)}.items():
+            net.serve(name, blocks.load_span(REPO, start, end), model=blocks.model_name(REPO))
+        model = blocks.model_name(REPO)
+        view = SwarmView(net.node("client"), model, NUM_LAYERS, refresh_period=60)  # type: ignore[arg-type]
+        view.records = net.records()
+        client = blocks.load_client_side(REPO)
+        tokens = [
+            int(token)
+            async for token in Generator(client, view).generate(
+                prompt, 16, eos_token_ids=client.eos_token_ids
+            )
+        ]
+    assert tokens == expected.tolist()
 
 
 def test_bad_generation_config_values_are_dropped(tmp_path: Path) -> None:
