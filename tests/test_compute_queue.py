@@ -7,7 +7,13 @@ import time
 
 import trio
 
-from peerd.server.compute import INFERENCE_ACTIVE_S, PRIORITY_INFERENCE, ComputeQueue
+from peerd.server.compute import (
+    INFERENCE_ACTIVE_S,
+    PRIORITY_INFERENCE,
+    SLICE_S,
+    ComputeQueue,
+    training_rest,
+)
 
 
 def _busy(seconds: float) -> float:
@@ -54,3 +60,20 @@ async def test_an_inference_step_runs_while_a_training_slice_rests() -> None:
         await trio.to_thread.run_sync(first_done.wait)  # train-1 ran: its rest (0.5 s) begins
         await queue.run(PRIORITY_INFERENCE, started.append, "inference")
     assert started == ["train-1", "inference", "train-2"]
+
+
+def test_a_long_slice_rests_longer_than_it_ran_so_the_wait_it_adds_stays_bounded() -> None:
+    assert training_rest(SLICE_S / 2) == SLICE_S / 2  # a short slice: half of the device
+    assert training_rest(SLICE_S) == SLICE_S
+    # Four times SLICE_S: sixteen times SLICE_S of rest, a share of 1/5 of the device.
+    assert training_rest(4 * SLICE_S) == 16 * SLICE_S
+    for ran in (0.01, SLICE_S, 1.0, 4.0, 30.0):
+        share = ran / (ran + training_rest(ran))
+        assert share * ran / 2 <= SLICE_S / 2  # the mean wait of a step arriving at random
+
+
+async def test_the_queue_rests_a_long_training_slice_by_its_square() -> None:
+    queue = ComputeQueue()
+    await queue.run(PRIORITY_INFERENCE, _busy, 0.0)
+    await queue.training_slice(_busy, 2 * SLICE_S)  # ran at least 2 x SLICE_S
+    assert queue.training_rested_s >= 4 * SLICE_S

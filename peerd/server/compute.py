@@ -5,8 +5,10 @@ Going first is not enough for inference when training floods a server: every ste
 for the slice under way, and on a machine shared with other daemons (the next hops of the same
 route, often) training slices back to back take the cores they need. So while inference ran
 here in the last INFERENCE_ACTIVE_S, training slices pass one at a time (`training_slice`) and
-rest as long as each ran: training gets at most half of the device while someone generates,
-and all of it otherwise."""
+rest after each (`training_rest`): as long as it ran, so training gets at most half of the device
+while someone generates (and all of it otherwise), and longer still for a slice longer than
+SLICE_S (one long row: attention needs the whole sequence in one slice), so that a step arriving
+at any moment waits SLICE_S / 2 on average at most, however long the slices."""
 
 from __future__ import annotations
 
@@ -26,6 +28,15 @@ PRIORITY_TRAINING = 1
 # times its own run time before the next one may start.
 INFERENCE_ACTIVE_S = 2.0
 TRAINING_REST = 1.0
+# A slice that ran S > SLICE_S seconds rests S * S / SLICE_S: training's share of the device is
+# then SLICE_S / (SLICE_S + S), and the wait it adds to a step arriving at a random moment
+# (that share times S / 2) stays under SLICE_S / 2.
+SLICE_S = 0.25
+
+
+def training_rest(ran_s: float) -> float:
+    """How long a training slice that ran `ran_s` seconds rests while inference is active."""
+    return ran_s * max(TRAINING_REST, ran_s / SLICE_S)
 
 
 class ComputeQueue:
@@ -69,14 +80,15 @@ class ComputeQueue:
             self._release()
 
     async def training_slice(self, fn: Callable[..., T], *args: object) -> T:
-        """fn(*args) as a training job: one training slice at a time, each resting as long as it
-        ran (TRAINING_REST) while inference is active here, so a flood of training keeps at most
-        half of the device (and of the machine's cores) from the servers' inference."""
+        """fn(*args) as a training job: one training slice at a time, each resting at least as
+        long as it ran (training_rest) while inference is active here, so a flood of training
+        keeps at most half of the device (and of the machine's cores) from the servers'
+        inference."""
         async with self._training_lane:
             started = trio.current_time()
             result = await self.run(PRIORITY_TRAINING, fn, *args)
             if trio.current_time() - self.last_inference < INFERENCE_ACTIVE_S:
-                rest = (trio.current_time() - started) * TRAINING_REST
+                rest = training_rest(trio.current_time() - started)
                 self.training_rested_s += rest
                 await trio.sleep(rest)
             return result
