@@ -30,7 +30,7 @@ class ClientSide(nn.Module):
         embeddings: nn.Embedding,
         embed_norm: nn.Module | None,
         final_norm: nn.Module,
-        lm_head: nn.Linear,
+        lm_head: LMHead,
         checkpoint: Path,
     ) -> None:
         super().__init__()
@@ -54,7 +54,7 @@ class ClientSide(nn.Module):
         normed = self.final_norm(hidden_states.to(weight.device, weight.dtype))
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return self.lm_head(normed)
-        return _cpu_lm_head(normed, weight, self.lm_head.bias)
+        return self.lm_head.cap(_cpu_lm_head(normed, weight, self.lm_head.bias))
 
     @cached_property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -80,6 +80,36 @@ class ClientSide(nn.Module):
         eos = self.tokenizer.eos_token_id
         ids = [] if eos is None else list(eos) if isinstance(eos, list) else [int(eos)]
         return ids + [i for i in self.generation_defaults.eos_token_ids if i not in ids]
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embeddings multiplied by a constant (Gemma: sqrt(hidden_size)), the constant rounded
+    to the weights' dtype first, as transformers does."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, scale: float) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor(self.scale, dtype=self.weight.dtype, device=self.weight.device)
+        return super().forward(input_ids) * scale
+
+
+class LMHead(nn.Linear):
+    """The LM head, with the final logit soft-capping of the families that have one (Gemma 2:
+    config.final_logit_softcapping, logits -> cap * tanh(logits / cap))."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, softcap: float | None) -> None:
+        super().__init__(hidden_size, vocab_size, bias=False)
+        self.softcap = softcap
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.cap(super().forward(hidden_states))
+
+    def cap(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
 
 
 def load_client_side(
@@ -108,10 +138,11 @@ def load_client_side(
         return module
 
     with torch.device("meta"):
-        embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        embeddings = _embeddings(config, family)
         final_norm = family.make_norm(config)
         embed_norm = family.make_norm(config) if family.embed_norm else None
-        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        softcap = getattr(config, "final_logit_softcapping", None)
+        lm_head = LMHead(config.hidden_size, config.vocab_size, softcap)
     load(embeddings, f"{root}{family.embed}.")
     load(final_norm, f"{root}{family.final_norm}.")
     if embed_norm is not None:
@@ -125,6 +156,12 @@ def load_client_side(
     client.eval()
     client.requires_grad_(False)
     return client
+
+
+def _embeddings(config: PretrainedConfig, family: Family) -> nn.Embedding:
+    if family.embed_scale is None:
+        return nn.Embedding(config.vocab_size, config.hidden_size)
+    return ScaledEmbedding(config.vocab_size, config.hidden_size, family.embed_scale(config))
 
 
 def _cpu_lm_head(

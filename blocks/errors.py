@@ -15,6 +15,10 @@ class UnsupportedModelError(BlocksError):
     """A checkpoint whose `config.model_type` no registered family can run."""
 
 
+class CheckpointError(BlocksError, ValueError):
+    """A checkpoint whose tensors do not fit its own config (a matrix missing or misnamed)."""
+
+
 class CacheFull(BlocksError):
     """A MemoryCache cannot reserve the tokens a new session asks for.
 

@@ -2,71 +2,48 @@
 how positions reach a layer (rotary embeddings or ALiBi). One registry, keyed by config.model_type.
 
 The layer math is transformers' own; a family only supplies what the transformers *model* class
-would have handed each layer (masks, positions, ALiBi) so a span can run layers a..b on their own.
+would have handed each layer (blocks.layer_inputs) so a span can run layers a..b on their own.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.masking_utils import (
-    ALL_MASK_ATTENTION_FUNCTIONS,
-    causal_mask_function,
-    sliding_window_causal_mask_function,
-)
 from transformers.models.bloom import modeling_bloom
 from transformers.models.falcon import modeling_falcon
+from transformers.models.gemma2 import modeling_gemma2
+from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
 from transformers.models.mixtral import modeling_mixtral
+from transformers.models.olmo2 import modeling_olmo2
+from transformers.models.phi3 import modeling_phi3
+from transformers.models.qwen2 import modeling_qwen2
+from transformers.models.qwen2_moe import modeling_qwen2_moe
+from transformers.models.qwen3 import modeling_qwen3
+from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-from blocks.errors import UnsupportedModelError
+from blocks.errors import CheckpointError, UnsupportedModelError
+from blocks.layer_inputs import (
+    LayerInputs,
+    MaskedInputs,
+    RowMasks,
+    bloom_inputs,
+    bloom_masked,
+    causal_mask,
+    falcon_inputs,
+    falcon_masked,
+    inputs_by_kind,
+    rotary_inputs,
+    rotary_masked,
+)
 
-# What a family gives a layer besides hidden states and the KV cache: masks, positions, ALiBi.
-LayerInputs = Callable[[PretrainedConfig, nn.Module | None, torch.Tensor, int], dict[str, Any]]
-# The same for rows of one forward that differ in past length and left padding (see RowMasks).
-MaskedInputs = Callable[
-    [PretrainedConfig, nn.Module | None, torch.Tensor, "RowMasks"], dict[str, Any]
-]
-
-
-@dataclass(frozen=True)
-class RowMasks:
-    """Where each row of a forward stands, for rows with their own past lengths and padding.
-
-    `allowed[r, 0, q, k]`: query q of row r may attend to key k (causal, not padding, within the
-    sliding window; a query always sees its own key, so a padding query never attends to nothing
-    and never turns into NaN). `position_ids[r, q]`: its position counted without the row's
-    padding. `key_valid[r, k]`: key k of row r is a real token (ALiBi counts those).
-    """
-
-    allowed: torch.Tensor  # bool [rows, 1, queries, keys]
-    position_ids: torch.Tensor  # long [rows, queries]
-    key_valid: torch.Tensor  # bool [rows, keys]
-
-    @staticmethod
-    def build(
-        past: torch.Tensor, pads: torch.Tensor, queries: int, keys: int, window: int | None
-    ) -> RowMasks:
-        """Masks for rows whose new tokens start at `past[r]` (absolute, padding included) and
-        whose first `pads[r]` positions are left padding."""
-        absolute = past[:, None] + torch.arange(queries, device=past.device)[None]  # [rows, q]
-        key = torch.arange(keys, device=past.device)[None, None]  # [1, 1, k]
-        at = absolute[..., None]
-        allowed = (key <= at) & (key >= pads[:, None, None])
-        if window is not None:  # transformers counts the window over absolute positions
-            allowed &= key > at - window
-        allowed |= key == at
-        return RowMasks(
-            allowed=allowed[:, None],
-            position_ids=(absolute - pads[:, None]).clamp(min=0),
-            key_valid=key[0] >= pads[:, None],
-        )
+__all__ = ["FAMILIES", "Family", "RowMasks", "causal_mask", "family_of", "prepare_config"]
 
 
 @dataclass(frozen=True)
@@ -90,6 +67,11 @@ class Family:
     kv_width: Callable[[PretrainedConfig], int]  # key (= value) features cached per token per layer
     convert_block: Callable[[dict[str, torch.Tensor], PretrainedConfig], dict[str, torch.Tensor]]
     experts_implementation: str | None = None  # mixture-of-experts kernel, as transformers picks
+    # Per-layer attention: each layer's kind (config.layer_types); layer_inputs and masked_inputs
+    # then give one dict of inputs per kind, and layer i takes its kind's.
+    layer_kinds: Callable[[PretrainedConfig], Sequence[str]] | None = None
+    # A factor the token embeddings are multiplied by (Gemma: sqrt(hidden_size)).
+    embed_scale: Callable[[PretrainedConfig], float] | None = None
 
     def prefix(self, names: Iterable[str]) -> str:
         """`root` if the checkpoint's names carry it (save_pretrained writes it), else ""."""
@@ -97,153 +79,6 @@ class Family:
 
     def block_prefix(self, names: Iterable[str], index: int) -> str:
         return self.prefix(names) + self.layer_prefix.format(index)
-
-
-def causal_mask(
-    config: PretrainedConfig,
-    hidden_states: torch.Tensor,
-    past_length: int,
-    *,
-    allow_skip: bool = True,
-    sliding_window: int | None = None,
-) -> torch.Tensor | None:
-    """The mask transformers' own model would build for `q` new tokens after `past_length` cached
-    ones, in the format of config._attn_implementation (None: let sdpa use is_causal)."""
-    batch_size, q_length = hidden_states.shape[:2]
-    mask_function = (
-        causal_mask_function
-        if sliding_window is None
-        else sliding_window_causal_mask_function(sliding_window)
-    )
-    return ALL_MASK_ATTENTION_FUNCTIONS[config._attn_implementation](
-        batch_size=batch_size,
-        q_length=q_length,
-        kv_length=past_length + q_length,
-        q_offset=past_length,
-        kv_offset=0,
-        mask_function=mask_function,
-        attention_mask=None,
-        allow_is_causal_skip=allow_skip,
-        local_size=sliding_window,
-        dtype=hidden_states.dtype,
-        config=config,
-        use_vmap=False,
-        device=hidden_states.device,
-    )
-
-
-def _positions(hidden_states: torch.Tensor, past_length: int) -> torch.Tensor:
-    q_length = hidden_states.shape[1]
-    return torch.arange(past_length, past_length + q_length, device=hidden_states.device)[None]
-
-
-def _rotary_inputs(
-    config: PretrainedConfig, rotary: nn.Module | None, hidden: torch.Tensor, past: int
-) -> dict[str, Any]:
-    assert rotary is not None
-    positions = _positions(hidden, past)
-    window = getattr(config, "sliding_window", None)
-    return {
-        "attention_mask": causal_mask(config, hidden, past, sliding_window=window),
-        "position_ids": positions,
-        "position_embeddings": rotary(hidden, positions),
-    }
-
-
-def _bloom_inputs(
-    config: PretrainedConfig, rotary: nn.Module | None, hidden: torch.Tensor, past: int
-) -> dict[str, Any]:
-    batch_size, q_length = hidden.shape[:2]
-    no_padding = torch.ones(batch_size, past + q_length, dtype=torch.long, device=hidden.device)
-    return {
-        "alibi": modeling_bloom.build_alibi_tensor(no_padding, config.n_head, hidden.dtype),
-        "attention_mask": causal_mask(config, hidden, past),
-    }
-
-
-def _falcon_inputs(
-    config: PretrainedConfig, rotary: nn.Module | None, hidden: torch.Tensor, past: int
-) -> dict[str, Any]:
-    positions = _positions(hidden, past)
-    # FalconModel always materialises the mask, so the ALiBi bias can be folded into it.
-    mask = causal_mask(config, hidden, past, allow_skip=False)
-    assert mask is not None
-    if not config.alibi:
-        assert rotary is not None
-        return {
-            "alibi": None,
-            "attention_mask": mask,
-            "position_ids": positions,
-            "position_embeddings": rotary(hidden, positions),
-        }
-    batch_size, q_length = hidden.shape[:2]
-    kv_length = past + q_length
-    no_padding = torch.ones(batch_size, kv_length, dtype=torch.long, device=hidden.device)
-    heads = config.num_attention_heads
-    alibi = modeling_falcon.build_alibi_tensor(no_padding, heads, hidden.dtype)
-    lowest = torch.finfo(hidden.dtype).min
-    if mask.dtype == torch.bool:
-        mask = torch.where(mask, torch.zeros((), dtype=hidden.dtype, device=mask.device), lowest)
-    scale = math.sqrt(config.hidden_size // heads)
-    bias = alibi.reshape(batch_size, heads, 1, kv_length) / scale
-    return {
-        "alibi": alibi,
-        "attention_mask": torch.masked_fill(bias, mask < -1, lowest),
-        "position_ids": positions,
-        "position_embeddings": None,
-    }
-
-
-def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean attention mask as the additive float mask eager attention adds to its scores."""
-    lowest = torch.finfo(dtype).min
-    return torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), lowest)
-
-
-def _rotary_masked(
-    config: PretrainedConfig, rotary: nn.Module | None, hidden: torch.Tensor, rows: RowMasks
-) -> dict[str, Any]:
-    assert rotary is not None
-    return {
-        "attention_mask": rows.allowed,  # sdpa takes the boolean mask as it is
-        "position_ids": rows.position_ids,
-        "position_embeddings": rotary(hidden, rows.position_ids),
-    }
-
-
-def _bloom_masked(
-    config: PretrainedConfig, rotary: nn.Module | None, hidden: torch.Tensor, rows: RowMasks
-) -> dict[str, Any]:
-    return {
-        "alibi": modeling_bloom.build_alibi_tensor(
-            rows.key_valid.long(), config.n_head, hidden.dtype
-        ),
-        "attention_mask": _additive(rows.allowed, hidden.dtype),
-    }
-
-
-def _falcon_masked(
-    config: PretrainedConfig, rotary: nn.Module | None, hidden: torch.Tensor, rows: RowMasks
-) -> dict[str, Any]:
-    if not config.alibi:
-        assert rotary is not None
-        return {
-            "alibi": None,
-            "attention_mask": rows.allowed,
-            "position_ids": rows.position_ids,
-            "position_embeddings": rotary(hidden, rows.position_ids),
-        }
-    batch_size, kv_length = rows.key_valid.shape
-    heads = config.num_attention_heads
-    alibi = modeling_falcon.build_alibi_tensor(rows.key_valid.long(), heads, hidden.dtype)
-    scale = math.sqrt(config.hidden_size // heads)
-    bias = alibi.reshape(batch_size, heads, 1, kv_length) / scale
-    return {
-        "alibi": alibi,
-        "attention_mask": torch.masked_fill(bias, ~rows.allowed, torch.finfo(hidden.dtype).min),
-        "position_ids": rows.position_ids,
-        "position_embeddings": None,
-    }
 
 
 def _same_names(
@@ -272,6 +107,31 @@ def _mixtral_block(
     # MixtralExperts splits gate_up_proj in halves: gate (w1) first, then up (w3).
     converted["mlp.experts.gate_up_proj"] = torch.cat([stacked("w1"), stacked("w3")], dim=1)
     converted["mlp.experts.down_proj"] = stacked("w2")
+    return converted
+
+
+def _qwen_moe_block(
+    weights: dict[str, torch.Tensor], config: PretrainedConfig
+) -> dict[str, torch.Tensor]:
+    """Qwen2-MoE and Qwen3-MoE checkpoints (hub, and save_pretrained) keep gate/up/down matrices
+    per expert under mlp.experts.N; transformers' decoder layer runs them fused: gate_up_proj
+    [experts, 2 x intermediate, hidden], gate first, and down_proj [experts, hidden, inter]."""
+    if "mlp.experts.0.gate_proj.weight" not in weights:
+        return weights  # a dense layer (mlp_only_layers), or experts already fused
+
+    def stacked(w: str) -> torch.Tensor:
+        names = [f"mlp.experts.{e}.{w}.weight" for e in range(config.num_experts)]
+        missing = [name for name in names if name not in weights]
+        if missing:
+            raise CheckpointError(
+                f"the checkpoint lacks {missing[0]} of a block ({len(missing)} expert matrices "
+                f"missing; config.num_experts is {config.num_experts}): re-save the model"
+            )
+        return torch.stack([weights[name] for name in names])
+
+    converted = {n: t for n, t in weights.items() if not n.startswith("mlp.experts.")}
+    converted["mlp.experts.gate_up_proj"] = torch.cat([stacked("gate_proj"), stacked("up_proj")], 1)
+    converted["mlp.experts.down_proj"] = stacked("down_proj")
     return converted
 
 
@@ -308,8 +168,8 @@ LLAMA = Family(
     cache_kwarg="cache",
     make_norm=lambda c: modeling_llama.LlamaRMSNorm(c.hidden_size, eps=c.rms_norm_eps),
     make_rotary=_rotary(modeling_llama.LlamaRotaryEmbedding),
-    layer_inputs=_rotary_inputs,
-    masked_inputs=_rotary_masked,
+    layer_inputs=rotary_inputs,
+    masked_inputs=rotary_masked,
     kv_width=lambda c: c.num_key_value_heads * _head_dim(c),
     convert_block=_same_names,
 )
@@ -328,8 +188,8 @@ MIXTRAL = Family(
     cache_kwarg="cache",
     make_norm=lambda c: modeling_mixtral.MixtralRMSNorm(c.hidden_size, eps=c.rms_norm_eps),
     make_rotary=_rotary(modeling_mixtral.MixtralRotaryEmbedding),
-    layer_inputs=_rotary_inputs,
-    masked_inputs=_rotary_masked,
+    layer_inputs=rotary_inputs,
+    masked_inputs=rotary_masked,
     kv_width=lambda c: c.num_key_value_heads * _head_dim(c),
     convert_block=_mixtral_block,
     experts_implementation="grouped_mm",
@@ -350,8 +210,8 @@ BLOOM = Family(
     cache_kwarg="layer_past",
     make_norm=_layer_norm,
     make_rotary=lambda c: None,
-    layer_inputs=_bloom_inputs,
-    masked_inputs=_bloom_masked,
+    layer_inputs=bloom_inputs,
+    masked_inputs=bloom_masked,
     kv_width=lambda c: c.hidden_size,
     convert_block=_same_names,
 )
@@ -370,13 +230,157 @@ FALCON = Family(
     cache_kwarg="layer_past",
     make_norm=_layer_norm,
     make_rotary=lambda c: None if c.alibi else _rotary(modeling_falcon.FalconRotaryEmbedding)(c),
-    layer_inputs=_falcon_inputs,
-    masked_inputs=_falcon_masked,
+    layer_inputs=falcon_inputs,
+    masked_inputs=falcon_masked,
     kv_width=lambda c: _falcon_kv_heads(c) * _head_dim(c),
     convert_block=_same_names,
 )
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, BLOOM, FALCON, MIXTRAL)}
+
+def _llama_shaped(
+    name: str,
+    covers: str,
+    layer: type[nn.Module],
+    norm: Callable[..., nn.Module],
+    rotary: Callable[[Any], nn.Module],
+    **differences: Any,
+) -> Family:
+    """A family laid out as Llama is (model.layers.N, embed_tokens, norm, lm_head; rotary
+    positions; sdpa; the cache passed as `cache`): its own classes, and whatever else differs."""
+    fields: dict[str, Any] = {
+        "name": name,
+        "covers": covers,
+        "layer_class": layer,
+        "root": "model.",
+        "layer_prefix": "layers.{}.",
+        "embed": "embed_tokens",
+        "final_norm": "norm",
+        "lm_head": "lm_head",
+        "embed_norm": None,
+        "attn_implementation": "sdpa",
+        "cache_kwarg": "cache",
+        "make_norm": lambda c: norm(c.hidden_size, eps=c.rms_norm_eps),
+        "make_rotary": _rotary(rotary),
+        "layer_inputs": rotary_inputs,
+        "masked_inputs": rotary_masked,
+        "kv_width": lambda c: c.num_key_value_heads * _head_dim(c),
+        "convert_block": _same_names,
+    }
+    return Family(**{**fields, **differences})
+
+
+def _layer_types(config: PretrainedConfig) -> Sequence[str]:
+    return config.layer_types  # type: ignore[no-any-return]
+
+
+def _by_kind(per_kind_rotary: bool = False) -> dict[str, Any]:
+    """The Family fields of per-layer attention kinds (sliding or full, config.layer_types)."""
+    layer_inputs, masked_inputs = inputs_by_kind(per_kind_rotary)
+    return {
+        "layer_inputs": layer_inputs,
+        "masked_inputs": masked_inputs,
+        "layer_kinds": _layer_types,
+    }
+
+
+# Sliding-window layers where config.layer_types says (use_sliding_window / max_window_layers).
+QWEN2 = _llama_shaped(
+    "qwen2",
+    "Qwen2 and Qwen2.5",
+    modeling_qwen2.Qwen2DecoderLayer,
+    modeling_qwen2.Qwen2RMSNorm,
+    modeling_qwen2.Qwen2RotaryEmbedding,
+    **_by_kind(),
+)
+QWEN3 = _llama_shaped(
+    "qwen3",
+    "Qwen3 (dense)",
+    modeling_qwen3.Qwen3DecoderLayer,
+    modeling_qwen3.Qwen3RMSNorm,
+    modeling_qwen3.Qwen3RotaryEmbedding,
+    **_by_kind(),
+)
+QWEN2_MOE = _llama_shaped(
+    "qwen2_moe",
+    "Qwen2-MoE and Qwen1.5-MoE (routed experts and a shared one)",
+    modeling_qwen2_moe.Qwen2MoeDecoderLayer,
+    modeling_qwen2_moe.Qwen2MoeRMSNorm,
+    modeling_qwen2_moe.Qwen2MoeRotaryEmbedding,
+    convert_block=_qwen_moe_block,
+    experts_implementation="grouped_mm",
+    **_by_kind(),
+)
+# One sliding window (config.sliding_window) for every layer, or none: as Mistral.
+QWEN3_MOE = _llama_shaped(
+    "qwen3_moe",
+    "Qwen3 mixture-of-experts models",
+    modeling_qwen3_moe.Qwen3MoeDecoderLayer,
+    modeling_qwen3_moe.Qwen3MoeRMSNorm,
+    modeling_qwen3_moe.Qwen3MoeRotaryEmbedding,
+    convert_block=_qwen_moe_block,
+    experts_implementation="grouped_mm",
+)
+MISTRAL = _llama_shaped(
+    "mistral",
+    "Mistral 7B and other Mistral-shaped models (sliding-window attention)",
+    modeling_mistral.MistralDecoderLayer,
+    modeling_mistral.MistralRMSNorm,
+    modeling_mistral.MistralRotaryEmbedding,
+)
+PHI3 = _llama_shaped(
+    "phi3",
+    "Phi-3 and Phi-4 (fused projections)",
+    modeling_phi3.Phi3DecoderLayer,
+    modeling_phi3.Phi3RMSNorm,
+    modeling_phi3.Phi3RotaryEmbedding,
+)
+OLMO2 = _llama_shaped(
+    "olmo2",
+    "OLMo 2",
+    modeling_olmo2.Olmo2DecoderLayer,
+    modeling_olmo2.Olmo2RMSNorm,
+    modeling_olmo2.Olmo2RotaryEmbedding,
+)
+# Gemma: sliding and global layers in turn, embeddings scaled by sqrt(hidden), RMSNorm (1 + w).
+GEMMA2 = _llama_shaped(
+    "gemma2",
+    "Gemma 2 (attention and final logit soft-capping)",
+    modeling_gemma2.Gemma2DecoderLayer,
+    modeling_gemma2.Gemma2RMSNorm,
+    modeling_gemma2.Gemma2RotaryEmbedding,
+    # sdpa cannot soft-cap attention logits: transformers runs Gemma 2 with eager attention.
+    attn_implementation="eager",
+    embed_scale=lambda c: c.hidden_size**0.5,
+    **_by_kind(),
+)
+GEMMA3_TEXT = _llama_shaped(
+    "gemma3_text",
+    "Gemma 3 text models (a local rotary base for sliding layers)",
+    modeling_gemma3.Gemma3DecoderLayer,
+    modeling_gemma3.Gemma3RMSNorm,
+    modeling_gemma3.Gemma3RotaryEmbedding,
+    embed_scale=lambda c: c.hidden_size**0.5,
+    **_by_kind(per_kind_rotary=True),
+)
+
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        LLAMA,
+        BLOOM,
+        FALCON,
+        MIXTRAL,
+        QWEN2,
+        QWEN3,
+        QWEN2_MOE,
+        QWEN3_MOE,
+        MISTRAL,
+        PHI3,
+        OLMO2,
+        GEMMA2,
+        GEMMA3_TEXT,
+    )
+}
 
 
 def family_of(config: PretrainedConfig) -> Family:

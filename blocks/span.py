@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -226,14 +227,18 @@ class Span(nn.Module):
                 row += h.shape[0]
         past = torch.tensor([kv.length for h, kv, _ in parts for _ in range(h.shape[0])])
         pads = torch.tensor([pad for _, _, padding in parts for pad in padding])
-        window = getattr(self.config, "sliding_window", None)
+        # Layers of several kinds narrow the masks to their own window (family.masked_inputs).
+        uniform = self.family.layer_kinds is None
+        window = getattr(self.config, "sliding_window", None) if uniform else None
         masks = RowMasks.build(past.to(self.device), pads.to(self.device), queries, keys, window)
         inputs = self.family.masked_inputs(self.config, self.rotary, hidden, masks)
-        inputs[self.family.cache_kwarg] = _RowsKV(
-            [(kv, h.shape[0], h.shape[1]) for h, kv, _ in parts], keys
-        )
-        for layer in self.layers:
-            output = layer(hidden, **inputs)
+        cache = {
+            self.family.cache_kwarg: _RowsKV(
+                [(kv, h.shape[0], h.shape[1]) for h, kv, _ in parts], keys
+            )
+        }
+        for index, layer in enumerate(self.layers):
+            output = layer(hidden, **self._inputs_of(inputs, index), **cache)
             hidden = output[0] if isinstance(output, tuple) else output
         outputs = []
         row = 0
@@ -251,16 +256,22 @@ class Span(nn.Module):
         prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         inputs = self.family.layer_inputs(self.config, self.rotary, hidden, past_length)
-        inputs[self.family.cache_kwarg] = kv
+        cache = {self.family.cache_kwarg: kv}
         for index, layer in enumerate(self.layers):
             if prompts is not None:
                 prefix = prompts.shape[2]
                 # Out of place, so autograd sees the addition (and the caller's tensor is kept).
                 hidden = torch.cat([hidden[:, :prefix] + prompts[index], hidden[:, prefix:]], 1)
-            output = layer(hidden, **inputs)
+            output = layer(hidden, **self._inputs_of(inputs, index), **cache)
             # Llama-style layers return the hidden states; bloom/falcon (hidden, attentions).
             hidden = output[0] if isinstance(output, tuple) else output
         return hidden
+
+    def _inputs_of(self, inputs: dict[str, Any], index: int) -> dict[str, Any]:
+        """What layer `index` of this span takes: the inputs every layer shares, or, in a family
+        of sliding and full layers, those of the layer's kind."""
+        kinds = self.family.layer_kinds
+        return inputs if kinds is None else inputs[kinds(self.config)[self.start + index]]
 
     def extra_repr(self) -> str:
         return f"model={self.model!r}, blocks={self.start}:{self.end}, family={self.family.name}"

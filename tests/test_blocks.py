@@ -20,7 +20,7 @@ from transformers import (
 import blocks
 from blocks import checkpoint as checkpoint_module
 from blocks.default_model import convert_once
-from tests.numeric import CHAINED, SAME, assert_close_scaled
+from tests.numeric import CHAINED, REL, SAME, assert_close_scaled
 from tests.tiny_models import FAMILY_OF_CONFIG, TINY_CONFIGS, VOCAB, save_tiny
 
 
@@ -116,7 +116,8 @@ def test_greedy_generation_through_spans_equals_generate(tiny: dict[str, Path], 
     assert len(set(ours[0].tolist())) >= 3, "the tiny model should not be degenerate"
 
 
-@pytest.mark.parametrize("name", ["llama", "bloom", "falcon-alibi"])
+# mistral and gemma2: the 16 tokens kept cross their sliding window of 8.
+@pytest.mark.parametrize("name", ["llama", "bloom", "falcon-alibi", "mistral", "gemma2"])
 def test_rollback_then_new_turn_matches_full_forward(tiny: dict[str, Path], name: str) -> None:
     path = tiny[name]
     reference = _reference(path)
@@ -169,6 +170,7 @@ def test_steps_of_several_sessions_in_one_forward_match_each_alone(
     them a padded batch, one step longer than the others) into one forward: each session's
     output and cache must be what the step alone gives."""
     span = blocks.load_span(tiny[name], 0, 3)
+    moe = span.family.experts_implementation is not None
     cache = blocks.MemoryCache(budget_tokens=10_000)
     torch.manual_seed(4)
     prompts = [torch.randn(1, 5, 32), torch.randn(2, 2, 32), torch.randn(1, 9, 32)]
@@ -191,8 +193,9 @@ def test_steps_of_several_sessions_in_one_forward_match_each_alone(
             got = span.forward_batch([(steps[i][round_], s) for i, s in enumerate(merged)])
             for g, w in zip(got, want, strict=True):
                 # fp32 rounding of a differently shaped matmul only: these random models'
-                # activations reach 100, so the bound is relative to the output's scale.
-                assert_close_scaled(g, w)
+                # activations reach 100, so the bound is relative to the output's scale. Experts
+                # add up rows in another grouping (up to 1.4e-5 measured over seeds).
+                assert_close_scaled(g, w, rel=CHAINED if moe else REL)
     assert [s.position for s in merged] == [s.position for s in alone] == [11, 8, 13]
 
 
