@@ -172,13 +172,13 @@ def generation_defaults(checkpoint: Path) -> GenerationDefaults:
     if not isinstance(raw, dict):
         return GenerationDefaults()
     eos = raw.get("eos_token_id")
-    eos_ids = eos if isinstance(eos, list) else [eos]
+    eos_ids: list[Any] = eos if isinstance(eos, list) else [eos]
     return GenerationDefaults(
         temperature=_number(raw.get("temperature"), 0.0, 100.0),
         top_k=_whole(raw.get("top_k")),
         top_p=_number(raw.get("top_p"), 0.0, 1.0),
         repetition_penalty=_number(raw.get("repetition_penalty"), 0.0, 100.0),
-        eos_token_ids=tuple(i for i in eos_ids if _is_int(i) and 0 <= i < 2**31),
+        eos_token_ids=tuple(i for i in map(_token_id, eos_ids) if i is not None),
     )
 
 
@@ -193,3 +193,7 @@ def _is_int(value: Any) -> bool:
 
 def _whole(value: Any) -> int | None:
     return int(value) if _is_int(value) and 1 <= value < 2**31 else None
+
+
+def _token_id(value: Any) -> int | None:
+    return int(value) if _is_int(value) and 0 <= value < 2**31 else None

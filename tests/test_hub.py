@@ -166,6 +166,20 @@ def test_a_model_in_the_hub_cache_runs_offline_by_its_id(
     assert chat == "<user>hello world"
 
 
+def test_peerd_start_model_org_name_takes_the_cached_snapshot(
+    tmp_path: Path, offline_cache: Path
+) -> None:
+    from libp2p.crypto.ed25519 import create_new_key_pair
+
+    from peerd.daemon.main import Daemon, DaemonConfig
+
+    snapshot = _hub_cache(offline_cache, _checkpoint(tmp_path / "source", tied=False))
+    daemon = Daemon(DaemonConfig(model=REPO, blocks="2:4"), create_new_key_pair())
+    assert daemon.checkpoint == snapshot
+    assert daemon.model == "testorg-tiny-llama"
+    assert daemon.num_blocks == NUM_LAYERS
+
+
 def test_a_server_opens_only_the_shards_of_its_span(
     tmp_path: Path, offline_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

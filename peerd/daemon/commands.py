@@ -20,7 +20,11 @@ service_app = typer.Typer(
 
 # `peerd start`'s flags. Each is named as the DaemonConfig field it sets (--drain-timeout sets
 # drain_deadline, --verify verify_fraction, --swarm swarm_name), so the flags are the config.
-MODEL = typer.Option("default", help="'default' (SmolLM2-135M-Instruct) or a checkpoint dir.")
+MODEL = typer.Option(
+    "default",
+    help="'default' (SmolLM2-135M-Instruct), a checkpoint dir, or a Hugging Face id ORG/NAME "
+    "(from the local Hub cache; else only the files its blocks need are fetched).",
+)
 BLOCKS = typer.Option(
     "auto", help="Blocks to serve: auto (what fits, where the swarm is weakest), N, or a:b."
 )

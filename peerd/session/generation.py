@@ -33,17 +33,17 @@ def with_defaults(params: SamplingParams, defaults: GenerationDefaults) -> Sampl
     local API's default: repetition_penalty 1.0; when sampling, temperature 1.0 and no top_k or
     top_p. A value the request sets wins. Greedy stays greedy: the wire cannot tell "greedy" asked
     for from nothing asked, so do_sample is the request's alone (docs/blocks.md#hub-checkpoints)."""
-    changes: dict[str, float | int] = {}
     if params.repetition_penalty == 1.0 and defaults.repetition_penalty is not None:
-        changes["repetition_penalty"] = defaults.repetition_penalty
-    if params.do_sample:
-        if params.temperature == 1.0 and defaults.temperature is not None:
-            changes["temperature"] = defaults.temperature
-        if params.top_k is None and defaults.top_k is not None:
-            changes["top_k"] = defaults.top_k
-        if params.top_p is None and defaults.top_p is not None:
-            changes["top_p"] = defaults.top_p
-    return dataclasses.replace(params, **changes) if changes else params
+        params = dataclasses.replace(params, repetition_penalty=defaults.repetition_penalty)
+    if not params.do_sample:
+        return params
+    if params.temperature == 1.0 and defaults.temperature is not None:
+        params = dataclasses.replace(params, temperature=defaults.temperature)
+    if params.top_k is None and defaults.top_k is not None:
+        params = dataclasses.replace(params, top_k=defaults.top_k)
+    if params.top_p is None and defaults.top_p is not None:
+        params = dataclasses.replace(params, top_p=defaults.top_p)
+    return params
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
