@@ -9,6 +9,10 @@ from __future__ import annotations
 import hashlib
 import json
 import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -231,6 +235,87 @@ def test_a_model_not_cached_with_no_network_says_so_in_one_line(
     message = str(caught.value)
     assert "\n" not in message
     assert "config.json" in message and "no network" in message
+
+
+@contextmanager
+def _local_hub(source: Path, requests: list[str]) -> Iterator[str]:
+    """A Hub endpoint on 127.0.0.1 that serves `source` as REPO at COMMIT, speaking the part of
+    the Hub's protocol hf_hub_download uses (HEAD, then GET of /REPO/resolve/REVISION/FILE);
+    each request is appended to `requests` as "HEAD file" or "GET file". Nothing leaves the
+    host."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _file(self) -> Path | None:
+            prefix = f"/{REPO}/resolve/"
+            if not self.path.startswith(prefix):
+                return None
+            revision, _, name = self.path.removeprefix(prefix).partition("/")
+            file = source / name
+            ok = revision in ("main", COMMIT) and "/" not in name and file.is_file()
+            return file if ok else None
+
+        def _head(self) -> bytes | None:
+            requests.append(f"{self.command} {self.path.rsplit('/', 1)[1]}")
+            file = self._file()
+            if file is None:
+                self.send_response(404)
+                self.send_header("X-Error-Code", "EntryNotFound")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return None
+            data = file.read_bytes()
+            self.send_response(200)
+            self.send_header("X-Repo-Commit", COMMIT)
+            self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            return data
+
+        def do_HEAD(self) -> None:
+            self._head()
+
+        def do_GET(self) -> None:
+            data = self._head()
+            if data is not None:
+                self.wfile.write(data)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_model_not_cached_fetches_only_what_its_span_needs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = _checkpoint(tmp_path / "source", tied=False)
+    _, needed = _span_share(source, 2, 4)
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    requests: list[str] = []
+    with _local_hub(source, requests) as endpoint:
+        monkeypatch.setenv("HF_ENDPOINT", endpoint)
+        blocks.load_span(REPO, 2, 4)
+        downloads = [r.removeprefix("GET ") for r in requests if r.startswith("GET ")]
+        assert {name for name in downloads if name.startswith("model-")} == needed
+        small = {"config.json", INDEX_FILE, "tokenizer.json", "tokenizer_config.json"}
+        assert small <= set(downloads) and "chat_template.jinja" in downloads
+        assert len(downloads) == len(set(downloads))  # nothing twice
+        asked = len(requests)
+        blocks.load_span(REPO, 3, 4)  # all in the cache now: the Hub is not asked again
+        assert len(requests) == asked
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # what it fetched is a Hub cache like any other
+    assert blocks.load_span(REPO, 3, 4).num_blocks == 1
 
 
 def test_generation_config_gives_defaults_the_request_did_not_set(
