@@ -211,7 +211,14 @@ class SwarmModels:
             )
             view.verify_fraction = like.verify_fraction
             view.on_record = self.hear
-            await view.refresh()
+            # What we heard is live records (each answered an info call within record_ttl):
+            # route by them at once; the view's own refreshes take over in the background.
+            view.records = {r.peer_id: r for r in self.servers(model)}
+            if not view.records:  # none heard of yet: look them up before the first route
+                try:
+                    await view.refresh()
+                except Exception as e:  # as SwarmView.run: the next refresh tries again
+                    log.warning("looking up the servers of %s failed: %s", model, e)
             self.views[model] = view
             if self._nursery is not None:
                 self._nursery.start_soon(view.run)
