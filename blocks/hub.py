@@ -116,19 +116,21 @@ def fetch(snapshot: Path, filename: str, *, required: bool = True, also: str = "
         raise ModelNotFoundError(f"{snapshot} has no {filename}: the checkpoint is incomplete")
     repo_id, commit, cache = repo
     try:
-        return Path(_download(repo_id, filename, commit, cache))
+        return Path(_download(repo_id, filename, commit, cache, also))
     except ModelNotFoundError:
         if not required:
             return None
-        if also and not offline():
-            raise ModelNotFoundError(f"{repo_id} has neither {also} nor {filename}") from None
         raise
 
 
-def _download(repo_id: str, filename: str, revision: str | None, cache: Path) -> str:
-    """hf_hub_download into `cache`, its errors as one line a person can act on. With no route to
-    the Hub it only looks in the cache: huggingface_hub would retry for some 20 s per file."""
-    where = f"{filename} of {repo_id}"
+def _download(
+    repo_id: str, filename: str, revision: str | None, cache: Path, also: str = ""
+) -> str:
+    """hf_hub_download into `cache`, its errors as one line a person can act on (naming `also`
+    as the alternative the caller looked for first). With no route to the Hub it only looks in
+    the cache: huggingface_hub would retry for some 20 s per file."""
+    named = f"{filename} (or {also})" if also else filename
+    where = f"{named} of {repo_id}"
     endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT  # read now, not at import
     unreachable = None if offline() else _unreachable(endpoint)
     try:
@@ -147,7 +149,7 @@ def _download(repo_id: str, filename: str, revision: str | None, cache: Path) ->
             "fetch it, or copy the model into that cache"
         ) from None
     except RemoteEntryNotFoundError:
-        raise ModelNotFoundError(f"{repo_id} has no file {filename} on the Hub") from None
+        raise ModelNotFoundError(f"{repo_id} has no file {named} on the Hub") from None
     except GatedRepoError:
         raise ModelNotFoundError(
             f"{repo_id} is gated on the Hub: accept its terms on huggingface.co and log in with "

@@ -218,6 +218,13 @@ def test_a_shard_missing_from_the_cache_offline_is_one_line_naming_it(
     assert "\n" not in message
     assert missing in message and REPO in message and "HF_HUB_OFFLINE" in message
 
+    weights = {f.name for f in source.iterdir() if f.name.startswith("model")}
+    _hub_cache(offline_cache, source, repo="TestOrg/No-Weights", skip=weights)
+    with pytest.raises(blocks.ModelNotFoundError) as caught:
+        blocks.resolve_checkpoint("TestOrg/No-Weights")
+    message = str(caught.value)
+    assert "\n" not in message and INDEX_FILE in message and "model.safetensors " in message
+
 
 def test_a_model_not_cached_with_no_network_says_so_in_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
