@@ -270,7 +270,7 @@ def _llama_shaped(
 
 
 def _layer_types(config: PretrainedConfig) -> Sequence[str]:
-    return config.layer_types  # type: ignore[no-any-return]
+    return config.layer_types
 
 
 def _by_kind(per_kind_rotary: bool = False) -> dict[str, Any]:
@@ -398,6 +398,11 @@ def family_of(config: PretrainedConfig) -> Family:
 def prepare_config(config: PretrainedConfig, family: Family) -> PretrainedConfig:
     """Set the kernels transformers' own model would pick: the attention kernel the family's masks
     are built for, and the experts kernel (a bare config has neither)."""
+    if getattr(config, "use_bidirectional_attention", False):
+        raise UnsupportedModelError(
+            f"this {family.name} checkpoint attends both ways (use_bidirectional_attention: an "
+            "embedding model); peerd runs causal language models only"
+        )
     config._attn_implementation = family.attn_implementation
     if family.experts_implementation is not None:
         config._experts_implementation = family.experts_implementation

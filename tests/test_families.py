@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, Gemma3TextConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 import blocks
@@ -111,3 +111,12 @@ def test_a_moe_checkpoint_missing_an_expert_says_which(
     blocks.load_span(tmp_path, 0, 1)  # block 0 is whole
     with pytest.raises(CheckpointError, match=r"lacks model\.layers\.1\.|lacks mlp\.experts\.3\."):
         blocks.load_span(tmp_path, 1, 2)
+
+
+def test_a_bidirectional_gemma_is_refused_at_start() -> None:
+    """Gemma 3 embedding checkpoints attend both ways: no causal span can run them."""
+    config = Gemma3TextConfig(
+        **{**TINY_CONFIGS["gemma3_text"].to_dict(), "use_bidirectional_attention": True}
+    )
+    with pytest.raises(blocks.UnsupportedModelError, match="causal language models only"):
+        blocks.block_bytes(config, torch.float32)
