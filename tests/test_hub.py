@@ -184,6 +184,30 @@ def test_peerd_start_model_org_name_takes_the_cached_snapshot(
     assert daemon.num_blocks == NUM_LAYERS
 
 
+def test_peerd_start_with_a_shard_missing_offline_stops_with_one_line_naming_it(
+    tmp_path: Path, offline_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from peerd.daemon.main import DaemonConfig, DaemonError, run
+
+    monkeypatch.setenv("PEERD_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("PEERD_RUNTIME_DIR", str(tmp_path / "run"))
+    source = _checkpoint(tmp_path / "source", tied=False)
+    missing = sorted(_span_share(source, 1, 2)[1])[-1]
+    _hub_cache(offline_cache, source, skip={missing})
+    config = DaemonConfig(
+        model=REPO,
+        new_swarm=True,
+        blocks="0:2",
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        socket=tmp_path / "a.sock",
+        throughput="1",
+    )
+    with pytest.raises(DaemonError) as stopped:
+        run(config)
+    message = str(stopped.value)
+    assert "\n" not in message and missing in message and "HF_HUB_OFFLINE" in message
+
+
 def test_a_server_opens_only_the_shards_of_its_span(
     tmp_path: Path, offline_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
