@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -45,6 +46,8 @@ TOKENIZER_FILES = (
 # Small files a model may have: fetched (when missing) with the config, skipped when it has none.
 OPTIONAL_FILES = ("generation_config.json", *TOKENIZER_FILES)
 _TRUE = {"1", "on", "yes", "true"}
+PROBE_TTL = 30.0  # seconds a reachability probe's answer is reused (a model's files in a row)
+_probes: dict[str, tuple[float, str | None]] = {}
 
 
 def is_hub_id(model: str) -> bool:
@@ -165,19 +168,25 @@ def _download(
 
 
 def _unreachable(endpoint: str, timeout: float = 5.0) -> str | None:
-    """Why the Hub at `endpoint` cannot be reached (one TCP connection tried), None if it can.
-    Behind a proxy only the HTTP request can tell: None."""
+    """Why the Hub at `endpoint` cannot be reached (one TCP connection tried, its answer reused
+    for PROBE_TTL: a model's files come in a row), None if it can. Behind a proxy only the HTTP
+    request can tell: None."""
     proxies = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
     if any(os.environ.get(name) for name in proxies):
         return None
+    now = time.monotonic()
+    if (known := _probes.get(endpoint)) is not None and now - known[0] < PROBE_TTL:
+        return known[1]
     url = urlsplit(endpoint)
     host = url.hostname or ""
     port = url.port or (80 if url.scheme == "http" else 443)
     try:
         socket.create_connection((host, port), timeout=timeout).close()
+        why = None
     except OSError as e:
-        return f"{host}:{port}: {e.strerror or type(e).__name__}"
-    return None
+        why = f"{host}:{port}: {e.strerror or type(e).__name__}"
+    _probes[endpoint] = (now, why)
+    return why
 
 
 def _first_line(error: BaseException) -> str:

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 
 import blocks
 import blocks.checkpoint
+import blocks.hub
 import wire
 from blocks.checkpoint import INDEX_FILE
 from peerd.session.generation import Generator, with_defaults
@@ -260,6 +261,7 @@ def test_a_model_not_cached_with_no_network_says_so_in_one_line(
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(blocks.hub, "_probes", {})  # no answer from another test's endpoint
 
     with pytest.raises(blocks.ModelNotFoundError) as caught:
         blocks.resolve_checkpoint(REPO)
@@ -332,6 +334,7 @@ def test_a_model_not_cached_fetches_only_what_its_span_needs(
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(blocks.hub, "_probes", {})  # no answer from another test's endpoint
     requests: list[str] = []
     with _local_hub(source, requests) as endpoint:
         monkeypatch.setenv("HF_ENDPOINT", endpoint)
