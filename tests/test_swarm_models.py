@@ -279,6 +279,9 @@ def test_two_models_in_one_swarm_by_name_through_cli_openai_and_the_page(tmp_pat
             assert [m["id"] for m in listed["data"]] == [default, TINY_MODEL]
             for name in (default, TINY_MODEL):
                 assert _chat(url, name) == want[name]
+            unknown = httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": "a"})
+            assert unknown.status_code == 404
+            assert f"serves {default}, {TINY_MODEL}" in unknown.json()["error"]["message"]
             if CHROMIUM.exists():
                 _pick_in_the_page(url, want)
             for name, cli in clis.items():

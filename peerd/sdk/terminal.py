@@ -212,12 +212,13 @@ def format_status(status: wire.StatusResponse) -> str:
 
 
 def models_lines(status: wire.StatusResponse) -> list[str]:
-    """The swarm's models (when it serves more than this daemon's): each with its servers, its
-    coverage, and whether `peerd generate --model NAME` can use it here."""
-    if len(status.models) < 2:
+    """The swarm's models (when it serves more than one): each with its servers, its coverage,
+    and whether `peerd generate --model NAME` can use it here."""
+    served = [m for m in status.models if m.servers]
+    if len(served) < 2:
         return []
     lines = ["", "models in the swarm (peerd generate --model NAME):"]
-    for m in status.models:
+    for m in served:
         if not m.num_blocks:
             coverage = "blocks unknown here"
         elif m.blocks_served == m.num_blocks:
