@@ -18,7 +18,9 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,8 @@ from transformers import AutoModelForCausalLM
 import blocks
 import wire
 from peerd.daemon.local_api import LocalApi
+from peerd.devtools.localswarm import LocalSwarm
+from peerd.sdk.client import Client
 from peerd.sdk.model import AutoDistributedModelForCausalLM, DistributedModelForCausalLM
 from peerd.session.generation import Generator
 from peerd.session.swarm import SwarmView
@@ -370,3 +374,61 @@ def test_an_adapter_on_blocks_of_different_shapes_is_read_per_block(tmp_path: Pa
     assert any("layers.1.mlp.shared_expert.down_proj" in name for name in info.tensor_names)
     span = blocks.load_span(tmp_path / "moe", 0, 2, adapters=[tmp_path / "a"])
     assert span.adapters == ("a",)
+
+
+# --- through real daemons ------------------------------------------------------------------
+
+# Newer families for the multi-process check, in order of preference (the first two present run):
+# alternating sliding/global attention with two rotary bases, and q/k norms with experts.
+DAEMON_FAMILIES = ("gemma3_text", "qwen3_moe", "gemma2", "qwen2_moe", "mistral", "qwen3")
+DAEMON_DEADLINE_S = 120.0  # two daemons see each other (generous: a loaded 2-core CI machine)
+
+
+def _serve(checkpoint: Path, swarm: LocalSwarm, spans: int) -> None:
+    """`checkpoint` in `spans` daemons of `swarm` (1: all its blocks; 2: blocks 0:2 and the
+    rest), the first seeing every one of them online."""
+    num_blocks = int(blocks.load_config(checkpoint).num_hidden_layers)
+    ranges = [f"0:{num_blocks}"] if spans == 1 else ["0:2", f"2:{num_blocks}"]
+    for name, blocks_range in zip("ab", ranges, strict=False):
+        swarm.start(name, blocks_range, "--model", str(checkpoint))
+    with Client(swarm.daemons[0].socket) as client:
+        deadline = time.monotonic() + DAEMON_DEADLINE_S
+        while len([s for s in client.status().swarm if s.state == "online"]) < spans:
+            assert time.monotonic() < deadline, "the daemons did not see each other"
+            time.sleep(0.5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_new_families_through_real_daemons_equal_transformers(tmp_path: Path) -> None:
+    """Two newer families in `peerd start` daemons: the first split over two (blocks 0:2 and the
+    rest, a hop over libp2p), the second whole in one (three daemons in all, to keep CI short;
+    the two swarms start side by side). Greedy 20 tokens through AutoDistributedModelForCausalLM
+    on each swarm's first daemon equal transformers'."""
+    chosen = [name for name in DAEMON_FAMILIES if name in TINY_CONFIGS][:2]
+    assert len(chosen) == 2, f"tests/tiny_models.py has fewer than two of {DAEMON_FAMILIES}"
+    checkpoints = [save_tiny(name, tmp_path / f"tiny-{name}") for name in chosen]
+    swarms = [LocalSwarm() for _ in chosen]
+    try:
+        with ThreadPoolExecutor(len(chosen)) as pool:
+            starts = [
+                pool.submit(_serve, checkpoint, swarm, spans)
+                for checkpoint, swarm, spans in zip(checkpoints, swarms, (2, 1), strict=True)
+            ]
+            for started in starts:
+                started.result()
+        prompt = _ids(50, 1, 8)
+        for name, checkpoint, swarm in zip(chosen, checkpoints, swarms, strict=True):
+            local = _load(checkpoint)
+            expected = local.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+            model = AutoDistributedModelForCausalLM.from_pretrained(
+                checkpoint, socket=swarm.daemons[0].socket
+            )
+            try:
+                got = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+            finally:
+                model.close()
+            assert got.tolist() == expected.tolist(), name
+    finally:
+        for swarm in swarms:
+            swarm.stop()
