@@ -117,6 +117,10 @@ async def test_the_swarms_models_are_learnt_from_the_records_of_any_model(tiny: 
         text = format_status(status)
         assert f"{TINY_MODEL}: 2 servers, all {TINY_BLOCKS} blocks served" in text
         assert "third-model: 1 servers, blocks unknown here; no checkpoint here" in text
+        # A server of another model that says it leaves is gone from the listing at once.
+        models.heard_leave(net.peer_id("t2"))
+        listed = {m.name: m for m in models.listing()}
+        assert (listed[TINY_MODEL].servers, listed[TINY_MODEL].blocks_served) == (1, 3)
 
 
 async def test_a_request_naming_a_model_gets_that_models_view_and_servers(tiny: Path) -> None:

@@ -235,7 +235,7 @@ class Daemon:
             self.swarm.verify_fraction = config.verify_fraction
             ttl = 2 * config.refresh_period + REFRESH_SLACK_S
             self.models = SwarmModels(self.swarm, self.known_models, record_ttl=ttl)
-            self.swarm.hear_joins_and_leaves()
+            self.models.hear_joins_and_leaves()
             for text in config.initial_peers:
                 await self._join(text)
             async with trio.open_nursery() as nursery:

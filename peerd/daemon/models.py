@@ -22,12 +22,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import trio
+from libp2p.peer.id import ID
 
 import blocks
 import wire
 from blocks.checkpoint import DEFAULT_MODEL
 from blocks.default_model import NAME as DEFAULT_NAME
 from peerd.daemon.api_session import ApiError
+from peerd.node.p2p import JOINED_PROTOCOL, LEAVING_PROTOCOL
 from peerd.session.generation import Generator
 from peerd.session.swarm import SwarmView
 from routing.models import BadModelName, check_model_name, is_model_name
@@ -81,6 +83,27 @@ class SwarmModels:
         self._lock = trio.Lock()
         self._nursery: trio.Nursery | None = None
         primary.on_record = self.hear
+
+    def hear_joins_and_leaves(self) -> None:
+        """Take the joined/leaving streams peers open to us: a server that joined is asked for
+        its record by our own model's view (its record, of any model, is heard here); one that
+        leaves is out of every view, and of what we heard, at once."""
+        node = self._primary_view.node
+        node.on_told(JOINED_PROTOCOL, self._heard_join_from)
+        node.on_told(LEAVING_PROTOCOL, self._heard_leave_from)
+
+    async def _heard_join_from(self, peer: ID) -> None:
+        await self._primary_view.heard_join(peer.to_string())
+
+    async def _heard_leave_from(self, peer: ID) -> None:
+        self.heard_leave(peer.to_string())
+
+    def heard_leave(self, peer_id: str) -> None:
+        """The server `peer_id` (the authenticated peer of the stream) is going."""
+        for view in list(self.views.values()):
+            view.heard_leave(peer_id)
+        for records in self.heard.values():
+            records.pop(peer_id, None)
 
     def start(self, nursery: trio.Nursery) -> None:
         """Views made from now on refresh in `nursery` (the daemon's)."""
