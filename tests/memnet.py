@@ -62,9 +62,9 @@ Handler = Callable[["MemoryByteStream", str], Awaitable[None]]
 
 def save_tiny_llama(directory: Path) -> Path:
     """A tiny random llama checkpoint (6 blocks, hidden size 32) saved in `directory`."""
-    from tests.test_blocks import _save_tiny
+    from tests.tiny_models import save_tiny
 
-    return _save_tiny("llama", directory / "llama")
+    return save_tiny("llama", directory / "llama")
 
 
 class MemoryByteStream:

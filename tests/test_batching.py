@@ -17,13 +17,13 @@ from peerd.server.batching import GATHER_MIN_S, MERGE_MAX_TOKENS, StepBatcher
 from peerd.server.compute import ComputeQueue
 from peerd.session.leech import open_leech
 from tests.conftest import greedy_continuation
-from tests.test_blocks import _save_tiny
 from tests.test_operations import _metrics_port, _scrape
+from tests.tiny_models import save_tiny
 
 
 @pytest.fixture(scope="module")
 def span(tmp_path_factory: pytest.TempPathFactory) -> blocks.Span:
-    path: Path = _save_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama")
+    path: Path = save_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama")
     return blocks.load_span(path, 0, 3)
 
 

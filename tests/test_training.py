@@ -25,7 +25,7 @@ from peerd.server.compute import PRIORITY_INFERENCE, ComputeQueue
 from peerd.server.training import training_backward, training_forward
 from peerd.session.training import micro_batches
 from tests.numeric import SAME, assert_close_scaled
-from tests.test_blocks import VOCAB, _save_tiny
+from tests.tiny_models import VOCAB, save_tiny
 
 PREFIX = 3
 # fp32 through the same operations in the same order: only summation order may differ.
@@ -34,7 +34,7 @@ RELATIVE_TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _save_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama")
+    return save_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama")
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
