@@ -51,6 +51,7 @@ PREFIX = 3  # prompt-tuning prefix length
 # same operations; only the order of sums differs).
 GRAD_TOLERANCE = 1e-4
 ADAPTER = "family-lora"
+SHARD_SIZE = "40KB"  # the tiny models (100-400 kB) in 3 shards or more
 START_TIMEOUT_S = 120.0  # the in-process daemon's socket opens (loading spans on a loaded CI box)
 
 
@@ -172,6 +173,15 @@ class Tiny:
         )
 
 
+def sharded(name: str, directory: Path) -> Path:
+    """The tiny model of `name` saved as the Hub ships large models: in several safetensors
+    shards (3 or more) with a model.safetensors.index.json."""
+    save_tiny(name, directory, max_shard_size=SHARD_SIZE)
+    shards = list(directory.glob("*.safetensors"))
+    assert len(shards) >= 3 and (directory / "model.safetensors.index.json").is_file(), shards
+    return directory
+
+
 def _load(checkpoint: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
@@ -192,7 +202,7 @@ def tiny(
 ) -> Iterator[Tiny]:
     name = request.param
     root = tmp_path_factory.mktemp(f"family-{name}")
-    checkpoint = save_tiny(name, root / f"tiny-{name}")
+    checkpoint = sharded(name, root / f"tiny-{name}")
     base = _load(checkpoint)
     torch.manual_seed(1)
     settings = peft.LoraConfig(
@@ -407,7 +417,7 @@ def test_two_new_families_through_real_daemons_equal_transformers(tmp_path: Path
     on each swarm's first daemon equal transformers'."""
     chosen = [name for name in DAEMON_FAMILIES if name in TINY_CONFIGS][:2]
     assert len(chosen) == 2, f"tests/tiny_models.py has fewer than two of {DAEMON_FAMILIES}"
-    checkpoints = [save_tiny(name, tmp_path / f"tiny-{name}") for name in chosen]
+    checkpoints = [sharded(name, tmp_path / f"tiny-{name}") for name in chosen]
     swarms = [LocalSwarm() for _ in chosen]
     try:
         with ThreadPoolExecutor(len(chosen)) as pool:
