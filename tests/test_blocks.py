@@ -488,7 +488,7 @@ def test_unsupported_model_names_the_supported_families(tmp_path: Path) -> None:
 def test_checkpoint_resolution_and_names(tiny: dict[str, Path], tmp_path: Path) -> None:
     assert blocks.resolve_checkpoint(tiny["llama"]) == tiny["llama"].resolve()
     assert blocks.resolve_checkpoint(str(tiny["llama"])) == tiny["llama"].resolve()
-    with pytest.raises(blocks.ModelNotFoundError, match="never downloads"):
+    with pytest.raises(blocks.ModelNotFoundError, match="not in the Hugging Face cache"):
         blocks.resolve_checkpoint("meta-llama/Llama-2-7b-hf")
     (tmp_path / "empty").mkdir()
     with pytest.raises(blocks.ModelNotFoundError, match=r"lacks config\.json"):
