@@ -125,6 +125,9 @@ class SwarmModels:
             records = self.heard[record.model] = {}
         if record.peer_id not in records and len(records) >= MAX_SWARM_RECORDS:
             return
+        for model, others in self.heard.items():  # a server restarted with another model
+            if model != record.model:
+                others.pop(record.peer_id, None)
         expires_at = now + self.record_ttl
         records[record.peer_id] = dataclasses.replace(record, updated_at=now, expires_at=expires_at)
 
@@ -207,8 +210,14 @@ class SwarmModels:
         model = self.choose(requested)
         async with self._lock:
             if (generator := self._generators.get(model)) is None:
-                path = await self._resolve(model)
-                client = await trio.to_thread.run_sync(blocks.load_client_side, path)
+                try:
+                    path = await self._resolve(model)
+                    client = await trio.to_thread.run_sync(blocks.load_client_side, path)
+                except (OSError, ValueError, blocks.BlocksError) as e:
+                    raise ApiError(
+                        wire.ErrorCode.UNSUPPORTED,
+                        f"this daemon cannot load {model} from {self.checkpoints[model]}: {e}",
+                    ) from e
                 generator = Generator(client, await self._view(model))
                 self._generators[model] = generator
             return generator
