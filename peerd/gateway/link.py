@@ -105,7 +105,8 @@ class Done:
 
 @dataclass
 class ModelFacts:
-    """The model the daemon runs, as the gateway needs it."""
+    """A model the gateway generates with (the daemon's own, or another of the swarm), as it
+    needs it."""
 
     name: str
     num_blocks: int
@@ -115,16 +116,6 @@ class ModelFacts:
 
     def accepts(self, requested: str | None) -> bool:
         return requested in (None, "", DEFAULT_MODEL, self.name)
-
-    def check_model(self, requested: str | None, param: str = "model") -> None:
-        if not self.accepts(requested):
-            raise GatewayError(
-                404,
-                "model_not_found",
-                f"this gateway serves {self.name!r} (also called {DEFAULT_MODEL!r}), "
-                f"not {requested!r}",
-                param,
-            )
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         with self._lock:  # a fast tokenizer may not be called from two threads at once
