@@ -126,6 +126,7 @@ class Admission:
         self.max_training_per_peer = max_training_per_peer
         self.max_training_inflight = max_training_inflight
         self._training: dict[str, int] = {}  # peer -> training requests queued or running
+        self._training_done = trio.Event()  # set (and replaced) whenever one of those ends
         self._sessions: dict[str, int] = {}  # peer -> sessions open or queued
         self._inflight: dict[str, int] = {}  # peer -> bytes of steps received, not yet answered
         self._queue: deque[_Waiter] = deque()  # the waiting requests, first in line first
@@ -203,9 +204,22 @@ class Admission:
             yield
         finally:
             _add(self._training, peer, -1)
+            self._training_done.set()
+            self._training_done = trio.Event()
 
     def training_of(self, peer: str) -> int:
         return self._training.get(peer, 0)
+
+    @property
+    def training_inflight(self) -> int:
+        """Training requests of all peers queued or running."""
+        return sum(self._training.values())
+
+    async def training_room(self, peer: str) -> None:
+        """Wait until `peer` has fewer than max_training_per_peer training requests queued or
+        running (its next request would not be refused for its quota)."""
+        while self.training_of(peer) >= self.max_training_per_peer:
+            await self._training_done.wait()
 
     def cache_freed(self) -> None:
         """A session closed: the waiting requests look again, in order."""

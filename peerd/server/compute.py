@@ -19,6 +19,8 @@ from typing import TypeVar
 
 import trio
 
+from peerd.server.memory import MemoryTrim
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -51,6 +53,7 @@ class ComputeQueue:
         self.last_inference = -float("inf")  # trio.current_time() of the last inference job
         self._training_lane = trio.Lock()
         self.training_rested_s = 0.0
+        self.memory = MemoryTrim()  # gives the memory training work freed back to the system
 
     @property
     def depth(self) -> int:
@@ -87,6 +90,7 @@ class ComputeQueue:
         async with self._training_lane:
             started = trio.current_time()
             result = await self.run(PRIORITY_TRAINING, fn, *args)
+            await self.memory.after_work()  # off the device: an inference step may run
             if trio.current_time() - self.last_inference < INFERENCE_ACTIVE_S:
                 rest = training_rest(trio.current_time() - started)
                 self.training_rested_s += rest

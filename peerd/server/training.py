@@ -79,22 +79,36 @@ class TrainingPace:
 async def handle_training(server: BlockServer, messages: MessageStream) -> None:
     """Forward and Backward requests until the client closes the stream or goes quiet. A
     message that cannot be read (broken framing) ends the stream: it cannot be trusted; a
-    request past this peer's quota is refused and the stream goes on."""
+    request past this peer's quota is refused and the stream goes on, but its next message is
+    read (and decoded: megabytes of tensors) only once the peer has room again, so a peer that
+    sends again at once cannot keep the event loop decoding requests that are then refused."""
     conv = ServerTraining()
     async with stream_boundary(server, messages, "training"):
         while True:
-            message = await messages.receive(SESSION_IDLE_TIMEOUT_S)
-            try:
-                request = conv.receive(message).request
-                with server.admission.training_slot(messages.remote_peer):
-                    reply = await run_training(server, request)
-            except wire.ProtocolError as e:
-                await server.refuse(messages, wire.ErrorCode.BAD_REQUEST, str(e))
-                continue
-            except Refused as e:
-                await server.refuse(messages, e.code, str(e))
-                continue
-            await messages.send(reply, request.reply_compression)
+            # Between two requests no request's tensors are held (_answer's frame is gone): the
+            # memory they took goes back to the system (peerd.server.memory).
+            refused = await _answer(server, messages, conv)
+            last = server.admission.training_inflight == 0
+            await server.compute.memory.after_work(last_work=last)
+            if refused == wire.ErrorCode.INFLIGHT_LIMIT:
+                await server.admission.training_room(messages.remote_peer)
+
+
+async def _answer(server: BlockServer, messages: MessageStream, conv: ServerTraining) -> str | None:
+    """Receive one request and send its result, or an Error: then its code is returned."""
+    message = await messages.receive(SESSION_IDLE_TIMEOUT_S)
+    try:
+        request = conv.receive(message).request
+        with server.admission.training_slot(messages.remote_peer):
+            reply = await run_training(server, request)
+    except wire.ProtocolError as e:
+        await server.refuse(messages, wire.ErrorCode.BAD_REQUEST, str(e))
+        return wire.ErrorCode.BAD_REQUEST
+    except Refused as e:
+        await server.refuse(messages, e.code, str(e))
+        return e.code
+    await messages.send(reply, request.reply_compression)
+    return None
 
 
 async def run_training(

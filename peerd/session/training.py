@@ -9,11 +9,16 @@ each server recomputing its span's forward with autograd and returning the gradi
 When a hop fails, in either pass, its server is banned, a replacement route for its blocks is
 planned, and the replacement runs that span's forward again from the kept input before the pass
 goes on: the gradients are those of the same function, so the caller sees no difference.
+
+A pass goes to each hop in micro-batches of whole rows of at most CHUNK_TOKENS tokens, or of the
+cap a server stated when it refused a bigger request (a slow server takes fewer tokens, so that
+its backward finishes within PASS_TIMEOUT_S): that hop is sent again split to its cap.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections import OrderedDict
@@ -46,6 +51,11 @@ CHUNK_BYTES = 64 << 20
 CHUNK_TOKENS = 4096
 # Passes one local connection may keep for a backward; the oldest goes first beyond this.
 MAX_KEPT_PASSES = 64
+# A server refuses a request past its token cap (peerd.server.training: it follows the server's
+# measured speed, so a slow server's cap may be below CHUNK_TOKENS) saying the cap in these words;
+# the hop is then sent again in micro-batches of that many tokens, at most this many times.
+SERVER_CAP = re.compile(r"limit of (\d+) per training request")
+MAX_CAP_RETRIES = 3
 
 
 class HopFailed(Exception):
@@ -72,10 +82,13 @@ class KeptPass:
     prompts: torch.Tensor | None
 
 
-def micro_batches(batch: int, tokens: int, width: int) -> list[slice]:
-    """Row slices of a [batch, tokens, width] fp32 pass that each fit one request."""
+def micro_batches(
+    batch: int, tokens: int, width: int, max_tokens: int = CHUNK_TOKENS
+) -> list[slice]:
+    """Row slices of a [batch, tokens, width] fp32 pass that each fit one request of at most
+    `max_tokens` tokens (a row is never split: one row alone may have more)."""
     per_row = max(1, tokens * width * 4 * 3)
-    rows = max(1, min(CHUNK_BYTES // per_row, CHUNK_TOKENS // max(1, tokens)))
+    rows = max(1, min(CHUNK_BYTES // per_row, max_tokens // max(1, tokens)))
     return [slice(i, min(i + rows, batch)) for i in range(0, batch, rows)]
 
 
@@ -90,6 +103,8 @@ class Trainer:
         self.failures = 0
         # Live servers that refused a request of this pass (skipped, not banned) and why.
         self.refused: dict[str, str] = {}
+        # Tokens per request that servers said they take, below CHUNK_TOKENS (peer id -> cap).
+        self.caps: dict[str, int] = {}
 
     # --- the two passes -----------------------------------------------------------------------
 
@@ -191,8 +206,51 @@ class Trainer:
     async def _forward_hop(
         self, hop: RouteHop, hidden: torch.Tensor, prompts: torch.Tensor | None
     ) -> torch.Tensor:
+        for retry in range(MAX_CAP_RETRIES + 1):
+            try:
+                return await self._forward_hop_once(hop, hidden, prompts)
+            except HopFailed as e:
+                if retry == MAX_CAP_RETRIES or not self._learn_cap(hop, e, hidden.shape[1]):
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _backward_hop(
+        self,
+        hop: RouteHop,
+        hidden: torch.Tensor,
+        grad_outputs: torch.Tensor,
+        prompts: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        for retry in range(MAX_CAP_RETRIES + 1):
+            try:
+                return await self._backward_hop_once(hop, hidden, grad_outputs, prompts)
+            except HopFailed as e:
+                if retry == MAX_CAP_RETRIES or not self._learn_cap(hop, e, hidden.shape[1]):
+                    raise
+        raise AssertionError("unreachable")
+
+    def _cap(self, hop: RouteHop) -> int:
+        return self.caps.get(hop.peer_id, CHUNK_TOKENS)
+
+    def _learn_cap(self, hop: RouteHop, error: HopFailed, row_tokens: int) -> bool:
+        """Whether `error` was the hop's server refusing a request past its token cap, one that
+        smaller micro-batches fit (a cap below our current one and not below one row): then
+        that cap is kept for the server and the hop is to be sent again."""
+        found = SERVER_CAP.search(str(error)) if error.refused else None
+        if found is None:
+            return False
+        cap = int(found.group(1))
+        if not row_tokens <= cap < self._cap(hop):
+            return False
+        log.info("server %s takes %d tokens per training request: splitting", hop.peer_id, cap)
+        self.caps[hop.peer_id] = cap
+        return True
+
+    async def _forward_hop_once(
+        self, hop: RouteHop, hidden: torch.Tensor, prompts: torch.Tensor | None
+    ) -> torch.Tensor:
         outputs = []
-        for rows in micro_batches(*hidden.shape):
+        for rows in micro_batches(*hidden.shape, self._cap(hop)):
             request = wire.Forward(
                 model=self.swarm.model,
                 start=hop.start,
@@ -206,7 +264,7 @@ class Trainer:
         self.swarm.report_success(hop.peer_id)
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
 
-    async def _backward_hop(
+    async def _backward_hop_once(
         self,
         hop: RouteHop,
         hidden: torch.Tensor,
@@ -215,7 +273,7 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         grad_inputs: list[torch.Tensor] = []
         grad_prompts: list[torch.Tensor] = []
-        for rows in micro_batches(*hidden.shape):
+        for rows in micro_batches(*hidden.shape, self._cap(hop)):
             request = wire.Backward(
                 model=self.swarm.model,
                 start=hop.start,
