@@ -38,7 +38,10 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {name: save_tiny(name, root / name) for name in TINY_CONFIGS}
+    # Sharded as the Hub ships models, in 3 to 7 files each: every test reads through the index.
+    paths = {name: save_tiny(name, root / name, max_shard_size="64KB") for name in TINY_CONFIGS}
+    assert all(len(list(path.glob("model-*.safetensors"))) >= 3 for path in paths.values())
+    return paths
 
 
 def _reference(path: Path) -> torch.nn.Module:
@@ -393,21 +396,21 @@ def test_memory_cache_accounting_is_thread_safe() -> None:
 
 
 def test_sharded_checkpoint_loads_the_same(tiny: dict[str, Path], tmp_path: Path) -> None:
-    sharded = save_tiny("llama", tmp_path / "sharded", max_shard_size="30KB")
+    sharded = tiny["llama"]
     assert (sharded / "model.safetensors.index.json").is_file()
+    whole = save_tiny("llama", tmp_path / "whole")
+    assert (whole / "model.safetensors").is_file()
     hidden = torch.randn(1, 5, 32)
     with torch.no_grad():
         assert_close_scaled(
             blocks.load_span(sharded, 1, 4)(hidden),
-            blocks.load_span(tiny["llama"], 1, 4)(hidden),
+            blocks.load_span(whole, 1, 4)(hidden),
             rel=SAME,
         )
         ids = torch.tensor([[1, 2, 3]])
         assert_close_scaled(
             blocks.load_client_side(sharded).logits(blocks.load_client_side(sharded).embed(ids)),
-            blocks.load_client_side(tiny["llama"]).logits(
-                blocks.load_client_side(tiny["llama"]).embed(ids)
-            ),
+            blocks.load_client_side(whole).logits(blocks.load_client_side(whole).embed(ids)),
             rel=SAME,
         )
 
@@ -416,12 +419,14 @@ def test_checkpoint_without_the_root_prefix_loads_the_same(
     tiny: dict[str, Path], tmp_path: Path
 ) -> None:
     """Old BLOOM checkpoints name weights "h.0..." rather than "transformer.h.0..."."""
-    source = tiny["bloom"]
+    source = save_tiny("bloom", tmp_path / "source")
     with safe_open(source / "model.safetensors", framework="pt") as f:
         names = f.keys()
         renamed = {name.removeprefix("transformer."): f.get_tensor(name) for name in names}
-    save_file(renamed, tmp_path / "model.safetensors")
-    (tmp_path / "config.json").write_text((source / "config.json").read_text())
+    renamed_dir = tmp_path / "renamed"
+    renamed_dir.mkdir()
+    save_file(renamed, renamed_dir / "model.safetensors")
+    (renamed_dir / "config.json").write_text((source / "config.json").read_text())
     ids = torch.tensor([[1, 2, 3, 4]])
 
     def logits(path: Path) -> torch.Tensor:
@@ -429,7 +434,7 @@ def test_checkpoint_without_the_root_prefix_loads_the_same(
         return client.logits(blocks.load_span(path, 0, 4)(client.embed(ids)))
 
     with torch.no_grad():
-        assert_close_scaled(logits(tmp_path), logits(source), rel=SAME)
+        assert_close_scaled(logits(renamed_dir), logits(source), rel=SAME)
 
 
 class _RecordingSafeOpen:
