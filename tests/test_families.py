@@ -5,6 +5,8 @@ logits on every path to them, per-layer attention kinds, and MoE checkpoints' ex
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -47,10 +49,23 @@ def test_block_bytes_are_the_loaded_blocks_bytes_in_every_family(
     assert span.family.name == FAMILY_OF_CONFIG.get(name, name)
 
 
-def test_llama3_rope_scaling_reaches_the_rotary_module(tiny: dict[str, Path]) -> None:
-    span = blocks.load_span(tiny["llama3"], 0, 2)
-    config = span.config
-    assert config.rope_parameters["rope_type"] == "llama3"
+@pytest.mark.parametrize("layout", ["rope_parameters", "rope_scaling"])
+def test_llama3_rope_scaling_reaches_the_rotary_module(
+    tiny: dict[str, Path], layout: str, tmp_path: Path
+) -> None:
+    """Both config.json layouts: transformers 5's `rope_parameters`, and the `rope_scaling` +
+    `rope_theta` that Llama 3.1/3.2 checkpoints on the Hub carry."""
+    path = tiny["llama3"]
+    if layout == "rope_scaling":
+        config = json.loads((path / "config.json").read_text())
+        scaling = config.pop("rope_parameters")
+        config["rope_theta"] = scaling.pop("rope_theta")
+        config["rope_scaling"] = scaling
+        shutil.copytree(path, tmp_path / "hub-layout")
+        path = tmp_path / "hub-layout"
+        (path / "config.json").write_text(json.dumps(config))
+    span = blocks.load_span(path, 0, 2)
+    assert span.config.rope_parameters["rope_type"] == "llama3"
     plain = LlamaRotaryEmbedding(blocks.load_config(tiny["llama"]))
     assert span.rotary is not None
     # The lowest frequencies are divided by the factor (8), and with an original context of 16
