@@ -403,6 +403,13 @@ def prepare_config(config: PretrainedConfig, family: Family) -> PretrainedConfig
             f"this {family.name} checkpoint attends both ways (use_bidirectional_attention: an "
             "embedding model); peerd runs causal language models only"
         )
+    if family.layer_kinds is not None:
+        odd = sorted(set(family.layer_kinds(config)) - {"full_attention", "sliding_attention"})
+        if odd:
+            raise UnsupportedModelError(
+                f"this {family.name} checkpoint has layers of kind {', '.join(odd)} "
+                "(config.layer_types); peerd runs full_attention and sliding_attention layers"
+            )
     config._attn_implementation = family.attn_implementation
     if family.experts_implementation is not None:
         config._experts_implementation = family.experts_implementation

@@ -5,6 +5,7 @@ logits on every path to them, per-layer attention kinds, and MoE checkpoints' ex
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from collections.abc import Iterator
@@ -145,4 +146,11 @@ def test_a_bidirectional_gemma_is_refused_at_start() -> None:
         **{**TINY_CONFIGS["gemma3_text"].to_dict(), "use_bidirectional_attention": True}
     )
     with pytest.raises(blocks.UnsupportedModelError, match="causal language models only"):
+        blocks.block_bytes(config, torch.float32)
+
+
+def test_a_layer_kind_peerd_cannot_mask_is_refused_at_start() -> None:
+    config = copy.deepcopy(TINY_CONFIGS["qwen2"])
+    config.layer_types = ["sliding_attention", "chunked_attention"] * 2
+    with pytest.raises(blocks.UnsupportedModelError, match="layers of kind chunked_attention"):
         blocks.block_bytes(config, torch.float32)
