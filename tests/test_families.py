@@ -154,3 +154,20 @@ def test_a_layer_kind_peerd_cannot_mask_is_refused_at_start() -> None:
     config.layer_types = ["sliding_attention", "chunked_attention"] * 2
     with pytest.raises(blocks.UnsupportedModelError, match="layers of kind chunked_attention"):
         blocks.block_bytes(config, torch.float32)
+
+
+def test_a_qwen2_moe_with_dense_layers_runs_as_transformers(tmp_path: Path) -> None:
+    """mlp_only_layers / decoder_sparse_step make some blocks dense MLPs: those keep their names,
+    the others' experts are fused."""
+    config = copy.deepcopy(TINY_CONFIGS["qwen2_moe"])
+    config.mlp_only_layers = [0, 3]
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    reference.save_pretrained(tmp_path, max_shard_size="64KB")
+    client = blocks.load_client_side(tmp_path)
+    ids = torch.randint(0, VOCAB, (1, 12))
+    with torch.no_grad():
+        hidden = client.embed(ids)
+        for start in (0, 2):
+            hidden = blocks.load_span(tmp_path, start, start + 2)(hidden)
+        assert_close_scaled(client.logits(hidden), reference(ids).logits)
