@@ -227,8 +227,12 @@ class DaemonLink:
             if self._facts is None:
                 async with self.connect() as client:
                     welcome = client.welcome
+                    listed = await _listed_models(client)
                 assert welcome is not None
-                source = self.checkpoint or welcome.model
+                # Where the daemon loads its model from (it says so since it lists the swarm's
+                # models), else --model DIR, else the name (the default model's resolves).
+                own = next((m.checkpoint for m in listed if m.name == welcome.model), "")
+                source = self.checkpoint or own or welcome.model
                 self._facts = await anyio.to_thread.run_sync(
                     _load_facts, welcome.model, welcome.num_blocks, source
                 )
@@ -265,10 +269,7 @@ class DaemonLink:
         """The daemon's other models a request may name: served in full, with a checkpoint the
         daemon (and so this gateway, on the same machine) can load."""
         async with self.connect() as client:
-            try:
-                listed = await client.models()
-            except PeerdError as e:
-                raise daemon_error(e) from e
+            listed = await _listed_models(client)
         return [
             m for m in listed if m.checkpoint and m.num_blocks and m.blocks_served == m.num_blocks
         ]
@@ -323,6 +324,13 @@ class DaemonLink:
             "generations_in_flight": self.generations_in_flight,
             "generation_slots": SESSION_SLOTS,
         }
+
+
+async def _listed_models(client: AsyncClient) -> list[wire.SwarmModel]:
+    try:
+        return await client.models()
+    except PeerdError as e:
+        raise daemon_error(e) from e
 
 
 def _load_facts(name: str, num_blocks: int, source: str | Path) -> ModelFacts:
