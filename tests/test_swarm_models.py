@@ -93,7 +93,7 @@ async def test_the_swarms_models_are_learnt_from_the_records_of_any_model(tiny: 
         await _ask_everyone(net, models)
         assert set(models.views[OTHER].records) == {net.peer_id("o")}  # the view keeps its own
         assert set(models.heard) == {TINY_MODEL, OTHER, "third-model"}  # never the bad name
-        await models.prepare()  # the block counts of the models this daemon can load
+        await models.prepare(TINY_MODEL)  # its block count (a daemon learns it when it hears it)
         listed = {m.name: m for m in models.listing()}
         assert models.listing()[0].name == OTHER  # ours first
         assert listed[TINY_MODEL] == wire.SwarmModel(

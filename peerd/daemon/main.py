@@ -243,7 +243,6 @@ class Daemon:
                     nursery.start_soon(join_discovered_peers, node)
                 nursery.start_soon(self._reachability_forever, nursery)
                 self.models.start(nursery)
-                nursery.start_soon(self.models.prepare)
                 await self.swarm.refresh()
                 if config.blocks is not None:
                     await self._start_serving(nursery)

@@ -75,7 +75,8 @@ class SwarmModels:
         self.views: dict[str, SwarmView] = {primary.model: primary}
         self.checkpoints = checkpoints  # model name -> checkpoint (known_checkpoints)
         self.num_blocks: dict[str, int] = {primary.model: primary.num_blocks}
-        self.paths: dict[str, Path] = {}
+        self.paths: dict[str, Path] = {primary.model: Path(checkpoints[primary.model])}
+        self._preparing: set[str] = set()  # models whose block count is being (or was) learnt
         self.heard: dict[str, dict[str, ServerRecord]] = {}  # model -> peer id -> record
         self.record_ttl = record_ttl
         self._primary_view = primary
@@ -125,11 +126,18 @@ class SwarmModels:
             records = self.heard[record.model] = {}
         if record.peer_id not in records and len(records) >= MAX_SWARM_RECORDS:
             return
+        self._prepare_soon(record.model)
         for model, others in self.heard.items():  # a server restarted with another model
             if model != record.model:
                 others.pop(record.peer_id, None)
         expires_at = now + self.record_ttl
         records[record.peer_id] = dataclasses.replace(record, updated_at=now, expires_at=expires_at)
+
+    def _prepare_soon(self, model: str) -> None:
+        loadable = model in self.checkpoints and model not in self.paths
+        if loadable and model not in self._preparing and self._nursery is not None:
+            self._preparing.add(model)
+            self._nursery.start_soon(self.prepare, model)
 
     def _forget_expired(self, now: float) -> None:
         for model in list(self.heard):
@@ -257,11 +265,11 @@ class SwarmModels:
             log.info("following the servers of %s too (%d blocks)", model, view.num_blocks)
         return view
 
-    async def prepare(self) -> None:
-        """Learn the block count of every model we can load (for coverage in `listing`),
-        converting the default model once if need be. Run in the background at start."""
-        for model in list(self.checkpoints):
-            try:
-                await self._resolve(model)
-            except (OSError, ValueError, blocks.BlocksError) as e:
-                log.warning("cannot read %s's checkpoint: %s", model, e)
+    async def prepare(self, model: str) -> None:
+        """Learn the block count of `model`, one we can load, for its coverage in `listing`
+        (converting the default model once if need be). Done in the background when the swarm
+        is first heard serving it: a daemon whose swarm never serves it never reads it."""
+        try:
+            await self._resolve(model)
+        except (OSError, ValueError, blocks.BlocksError) as e:
+            log.warning("cannot read the checkpoint of %s: %s", model, e)
