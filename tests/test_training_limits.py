@@ -138,3 +138,29 @@ async def test_a_client_splits_its_micro_batches_to_the_cap_a_slow_server_states
     assert x.grad is not None
     assert_close_scaled(grad, x.grad)
     assert CHUNK_TOKENS > 16
+
+
+async def test_a_request_whose_peer_closed_the_stream_is_given_up(
+    tiny_llama: Path, gates: list[threading.Event]
+) -> None:
+    """A flood's requests ran on (slice after slice, minutes with the rests) long after their
+    sender had left; now a request stops at its next slice when its stream closes."""
+    async with open_memnet() as net:
+        server = net.serve("a", blocks.load_span(tiny_llama, 0, 3))
+        request = wire.Forward(
+            model=TINY_MODEL, start=0, end=3, hidden_states=_random(1, 4, HIDDEN, seed=11)
+        )
+        async with trio.open_nursery() as nursery:
+            started, release = await _hold_device(nursery, server, gates)
+            await _until(started.is_set)
+            stream = await _stream(net, "leaver", "a")
+            await stream.send(request)
+            await _until(lambda: server.admission.training_of(net.peer_id("leaver")) == 1)
+            await stream.close()
+            await _until(lambda: server.admission.training_inflight == 0)
+            release.set()
+        assert server.counters.training_slices == 0  # its first slice never ran
+        # The server serves on.
+        other = await _stream(net, "other", "a")
+        await other.send(request)
+        assert isinstance(await other.receive(TIMEOUT_S), wire.ForwardResult)

@@ -24,10 +24,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
+import trio
 
 import wire
 from blocks import Span
-from peerd.node.streams import MessageStream
+from peerd.node.streams import Idle, MessageStream, PeerGone
 from peerd.server.admission import Refused
 from peerd.server.boundary import SESSION_IDLE_TIMEOUT_S, stream_boundary
 from wire.conversation import ServerTraining
@@ -49,6 +50,7 @@ BACKWARD_COST = 4.0
 # The token cap never goes below this, however slow the measured passes: a server too slow for
 # this many tokens within the budget is too slow for training at all.
 MIN_TRAINING_TOKENS = 256
+GONE = "gone"  # what _answer returns when the peer closed the stream before its answer
 
 
 class TrainingPace:
@@ -83,32 +85,76 @@ async def handle_training(server: BlockServer, messages: MessageStream) -> None:
     read (and decoded: megabytes of tensors) only once the peer has room again, so a peer that
     sends again at once cannot keep the event loop decoding requests that are then refused."""
     conv = ServerTraining()
+    pending: list[wire.Message] = []  # a message that came while a request ran (out of turn)
     async with stream_boundary(server, messages, "training"):
         while True:
-            # Between two requests no request's tensors are held (_answer's frame is gone): the
-            # memory they took goes back to the system (peerd.server.memory).
-            refused = await _answer(server, messages, conv)
+            message = pending.pop() if pending else await messages.receive(SESSION_IDLE_TIMEOUT_S)
+            refused = await _answer(server, messages, conv, message, pending)
+            # No request's tensors are held from here on (_answer's frame is gone): the memory
+            # they took goes back to the system (peerd.server.memory).
+            del message
             last = server.admission.training_inflight == 0
             await server.compute.memory.after_work(last_work=last)
+            if refused == GONE:
+                return
             if refused == wire.ErrorCode.INFLIGHT_LIMIT:
                 await server.admission.training_room(messages.remote_peer)
 
 
-async def _answer(server: BlockServer, messages: MessageStream, conv: ServerTraining) -> str | None:
-    """Receive one request and send its result, or an Error: then its code is returned."""
-    message = await messages.receive(SESSION_IDLE_TIMEOUT_S)
+async def _answer(
+    server: BlockServer,
+    messages: MessageStream,
+    conv: ServerTraining,
+    message: wire.Message,
+    pending: list[wire.Message],
+) -> str | None:
+    """Answer one request: its result, or an Error (then its code is returned); GONE when the
+    peer left meanwhile (returned, not raised: a traceback would keep the request's tensors)."""
     try:
         request = conv.receive(message).request
+        del message
         with server.admission.training_slot(messages.remote_peer):
-            reply = await run_training(server, request)
+            reply = await _run_while_connected(server, messages, request, pending)
+        await messages.send(reply, request.reply_compression)
     except wire.ProtocolError as e:
         await server.refuse(messages, wire.ErrorCode.BAD_REQUEST, str(e))
         return wire.ErrorCode.BAD_REQUEST
     except Refused as e:
         await server.refuse(messages, e.code, str(e))
         return e.code
-    await messages.send(reply, request.reply_compression)
+    except PeerGone:
+        return GONE
     return None
+
+
+async def _run_while_connected(
+    server: BlockServer,
+    messages: MessageStream,
+    request: wire.Forward | wire.Backward,
+    pending: list[wire.Message],
+) -> wire.ForwardResult | wire.BackwardResult:
+    """run_training(request), given up (PeerGone) when the peer closes the stream meanwhile:
+    nobody would read the answer, and a flood would keep the device busy long after its
+    sender left. A message the peer sends meanwhile is kept in `pending` for its turn."""
+    _check(server, request)  # its ProtocolError before the nursery, which would wrap it
+    gone: list[PeerGone] = []
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            try:
+                pending.append(await messages.receive(SESSION_IDLE_TIMEOUT_S))
+            except Idle:
+                return
+            except PeerGone as e:
+                gone.append(e)
+                nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        reply = await run_training(server, request)
+        nursery.cancel_scope.cancel()
+    if gone:
+        raise gone[0]
+    return reply
 
 
 async def run_training(
