@@ -227,6 +227,21 @@ def test_a_server_opens_only_the_shards_of_its_span(
     assert 0.9 * share <= reads.bytes <= 1.1 * share, (reads.bytes, share)
     assert span.weight_bytes == pytest.approx(share, rel=0.1)
 
+    # A local directory holding every shard: the same files opened, the same bytes read.
+    local = _Reads()
+    monkeypatch.setattr(blocks.checkpoint, "safe_open", local.open)
+    blocks.load_span(source, start, end)
+    assert (local.files, local.bytes) == (needed, reads.bytes)
+    # The client side opens only the shards of the embeddings, final norm and LM head.
+    client_reads = _Reads()
+    monkeypatch.setattr(blocks.checkpoint, "safe_open", client_reads.open)
+    blocks.load_client_side(source)
+    outside = {n: f for n, f in _shards(source).items() if not n.startswith("model.layers.")}
+    assert client_reads.files == set(outside.values())
+    with safe_open(source / outside["lm_head.weight"], framework="pt") as f:
+        head_bytes = f.get_tensor("lm_head.weight").nbytes
+    assert 2 * head_bytes <= client_reads.bytes <= 2.1 * head_bytes  # embeddings + head + norm
+
 
 def test_a_shard_missing_from_the_cache_offline_is_one_line_naming_it(
     tmp_path: Path, offline_cache: Path
