@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import trio
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from transformers import AutoModelForCausalLM
@@ -37,8 +38,13 @@ OTHER = "other-model"  # the daemon's own model in these tests (a second copy of
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny llama in a directory named as memnet's servers name their model."""
-    return save_tiny("llama", tmp_path_factory.mktemp("models") / TINY_MODEL)
+    """The tiny llama in a directory named as memnet's servers name their model, with the
+    default model's tokenizer (its ids cover the tiny vocabulary), so the daemon decodes."""
+    from transformers import AutoTokenizer
+
+    path = save_tiny("llama", tmp_path_factory.mktemp("models") / TINY_MODEL)
+    AutoTokenizer.from_pretrained(blocks.resolve_checkpoint("default")).save_pretrained(path)
+    return path
 
 
 @pytest.mark.parametrize(
@@ -164,6 +170,44 @@ async def test_a_model_not_here_is_refused_naming_the_models_there_are(tiny: Pat
             with pytest.raises(ApiError, match="is not a model name") as bad:
                 await models.generator(hostile)
             assert bad.value.code == wire.ErrorCode.BAD_REQUEST
+
+
+async def test_a_client_session_on_another_model_runs_every_turn_on_it(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """Through the local API socket: a session opened with model= runs its turns (which name
+    no model) on that model's servers; a turn naming another model is refused."""
+    from peerd.daemon.local_api import LocalApi
+    from peerd.sdk.client import AsyncClient, PeerdError
+
+    async with open_memnet() as net, trio.open_nursery() as nursery:
+        _serve_two_models(net, tiny)
+        models = _models(net, tiny, [str(tiny)])
+        await _ask_everyone(net, models)
+        welcome = wire.Welcome(version="0", peer_id="p", model=OTHER, num_blocks=4, hidden_size=32)
+        api = LocalApi(
+            socket_path=tmp_path / "peerd.sock",
+            get_generator=lambda: models.generator(None),
+            models=models.generator,
+            status=lambda: wire.StatusResponse(peer_id="p", version="0", uptime_s=0.0),
+            welcome=lambda: welcome,
+        )
+        path = await nursery.start(api.serve)
+        prompt = [1, 17, 42, 5, 60]
+        async with AsyncClient(path) as client:
+            session = await client.open_session(32, model=TINY_MODEL)
+            first = await client.generate_full(input_ids=prompt, session=session, max_new_tokens=3)
+            more = await client.generate_full(input_ids=[7], session=session, max_new_tokens=2)
+            with pytest.raises(PeerdError, match=f"runs {TINY_MODEL}, not {OTHER}"):
+                await client.generate_full(input_ids=[7], session=session, model=OTHER)
+        local = AutoModelForCausalLM.from_pretrained(tiny).eval()
+        with torch.inference_mode():
+            fed = prompt + first.token_ids + [7]
+            want = local.generate(torch.tensor([prompt]), max_new_tokens=3, min_new_tokens=3)
+            want_more = local.generate(torch.tensor([fed]), max_new_tokens=2, min_new_tokens=2)
+        assert first.token_ids == want[0, len(prompt) :].tolist()
+        assert more.token_ids == want_more[0, len(fed) :].tolist()
+        nursery.cancel_scope.cancel()
 
 
 def test_the_client_names_the_model_in_generate_and_open_inference() -> None:
