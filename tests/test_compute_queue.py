@@ -9,6 +9,7 @@ import trio
 
 from peerd.server.compute import (
     INFERENCE_ACTIVE_S,
+    MAX_REST,
     PRIORITY_INFERENCE,
     SLICE_S,
     ComputeQueue,
@@ -67,9 +68,11 @@ def test_a_long_slice_rests_longer_than_it_ran_so_the_wait_it_adds_stays_bounded
     assert training_rest(SLICE_S) == SLICE_S
     # Four times SLICE_S: sixteen times SLICE_S of rest, a share of 1/5 of the device.
     assert training_rest(4 * SLICE_S) == 16 * SLICE_S
-    for ran in (0.01, SLICE_S, 1.0, 4.0, 30.0):
+    for ran in (0.01, SLICE_S, 0.5, MAX_REST * SLICE_S):
         share = ran / (ran + training_rest(ran))
         assert share * ran / 2 <= SLICE_S / 2  # the mean wait of a step arriving at random
+    # Training keeps a fifth of the device, however long its slices (its token cap counts on it).
+    assert training_rest(30.0) == MAX_REST * 30.0
 
 
 async def test_the_queue_rests_a_long_training_slice_by_its_square() -> None:
@@ -77,3 +80,23 @@ async def test_the_queue_rests_a_long_training_slice_by_its_square() -> None:
     await queue.run(PRIORITY_INFERENCE, _busy, 0.0)
     await queue.training_slice(_busy, 2 * SLICE_S)  # ran at least 2 x SLICE_S
     assert queue.training_rested_s >= 4 * SLICE_S
+
+
+async def test_a_step_that_waited_for_a_long_slice_makes_it_rest() -> None:
+    """A slice longer than INFERENCE_ACTIVE_S (a 4096-token row on a loaded machine) outlasted
+    the last step's time: no rest, and training ran back to back while steps waited. A step
+    that came during the slice counts as inference being active."""
+    queue = ComputeQueue()
+    slice_started, release = threading.Event(), threading.Event()
+
+    def long_slice() -> None:
+        slice_started.set()
+        release.wait(30)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.training_slice, long_slice)
+        await trio.to_thread.run_sync(slice_started.wait)
+        nursery.start_soon(queue.run, PRIORITY_INFERENCE, _busy, 0.0)  # waits for the slice
+        await trio.sleep(0.01)
+        release.set()
+    assert queue.training_rested_s > 0

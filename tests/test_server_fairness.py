@@ -434,9 +434,9 @@ async def test_the_training_token_cap_follows_the_measured_speed(server: BlockSe
     pace.observe(tokens=100, forwards=1.0, seconds=10.0)  # mostly overhead: not counted
     assert pace.max_tokens(4, 8192) == 8192
     pace.observe(tokens=1000, forwards=4.0, seconds=1.0)  # 4000 token-blocks of forward a second
-    # A backward over 10 blocks costs 4 forwards: 60 s x 4000 / (4 x 10) = 6000 tokens.
-    assert pace.max_tokens(10, 8192) == 6000
-    assert pace.max_tokens(30, 8192) == 2000
+    # A backward over 10 blocks costs 4 forwards: 24 s x 4000 / (4 x 10) = 2400 tokens.
+    assert pace.max_tokens(10, 8192) == 2400
+    assert pace.max_tokens(30, 8192) == 800
     assert pace.max_tokens(10_000, 8192) == training.MIN_TRAINING_TOKENS
 
     server.training_pace.observe(tokens=400, forwards=training.BACKWARD_COST, seconds=60.0)

@@ -8,7 +8,7 @@ here in the last INFERENCE_ACTIVE_S, training slices pass one at a time (`traini
 rest after each (`training_rest`): as long as it ran, so training gets at most half of the device
 while someone generates (and all of it otherwise), and longer still for a slice longer than
 SLICE_S (one long row: attention needs the whole sequence in one slice), so that a step arriving
-at any moment waits SLICE_S / 2 on average at most, however long the slices."""
+at any moment waits about SLICE_S / 2 on average, up to slices of MAX_REST * SLICE_S."""
 
 from __future__ import annotations
 
@@ -32,13 +32,15 @@ INFERENCE_ACTIVE_S = 2.0
 TRAINING_REST = 1.0
 # A slice that ran S > SLICE_S seconds rests S * S / SLICE_S: training's share of the device is
 # then SLICE_S / (SLICE_S + S), and the wait it adds to a step arriving at a random moment
-# (that share times S / 2) stays under SLICE_S / 2.
+# (that share times S / 2) stays under SLICE_S / 2; but never more than MAX_REST times S, so
+# training keeps a fifth of the device (peerd.server.training's token cap counts on it).
 SLICE_S = 0.25
+MAX_REST = 4.0
 
 
 def training_rest(ran_s: float) -> float:
     """How long a training slice that ran `ran_s` seconds rests while inference is active."""
-    return ran_s * max(TRAINING_REST, ran_s / SLICE_S)
+    return ran_s * min(MAX_REST, max(TRAINING_REST, ran_s / SLICE_S))
 
 
 class ComputeQueue:
@@ -50,7 +52,8 @@ class ComputeQueue:
         self._waiting: list[tuple[int, int, trio.Event]] = []
         self._order = itertools.count()
         self.jobs_done = 0
-        self.last_inference = -float("inf")  # trio.current_time() of the last inference job
+        # trio.current_time() when an inference job last came or finished
+        self.last_inference = -float("inf")
         self._training_lane = trio.Lock()
         self.training_rested_s = 0.0
         self.memory = MemoryTrim()  # gives the memory training work freed back to the system
@@ -60,6 +63,10 @@ class ComputeQueue:
         return len(self._waiting) + int(self._busy)
 
     async def run(self, priority: int, fn: Callable[..., T], *args: object) -> T:
+        if priority == PRIORITY_INFERENCE:
+            # Demand counts, not only completion: a step that waited for a slice longer than
+            # INFERENCE_ACTIVE_S (a long row on a loaded machine) makes that slice rest too.
+            self.last_inference = trio.current_time()
         if self._busy or self._waiting:
             ready = trio.Event()
             entry = (priority, next(self._order), ready)

@@ -41,9 +41,10 @@ R = TypeVar("R")
 # Tokens (rows x tokens) of one slice, past which a pass's rows are split into groups. A row
 # longer than this is one slice on its own: the request's token cap bounds it.
 SLICE_TOKENS = 1024
-# The time a Backward may take here: half of a client's pass timeout (peerd.session.training's
-# PASS_TIMEOUT_S, 120 s), leaving the rest for queueing behind inference and for transfers.
-PASS_BUDGET_S = 60.0
+# The time a Backward's slices may compute here: a fifth of a client's pass timeout
+# (peerd.session.training's PASS_TIMEOUT_S, 120 s): while inference is active each slice rests
+# up to compute.MAX_REST (4) times as long as it ran.
+PASS_BUDGET_S = 24.0
 # A Backward costs about this many forwards: one plain, one recomputed with autograd, and the
 # backward itself (about two).
 BACKWARD_COST = 4.0
