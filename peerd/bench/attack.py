@@ -12,7 +12,9 @@ Per attack the report says:
   attack, so each attack is measured on its own);
 - `honest_ok`: every honest generation that overlapped the attack, and the first one started
   after it, finished with the right text;
-- `honest_slowdown`: median time of those generations over the median before any attack;
+- `honest_slowdown`: median time of those generations over the median before any attack (for
+  the attacks whose slowdown is bounded, SLOWDOWN_BOUND_FOR: over the median of generations
+  run just before that attack, `baseline_s`);
 - `rss_growth_mb`: resident memory of the attacked daemon after the attack (and that first honest
   generation) less before it: memory the attack left behind;
 - `loop_stall_ms`: the slowest answer of the attacked daemon's event loop during the attack, as a
@@ -211,9 +213,30 @@ def _median_time(generations: list[Generation]) -> float | None:
     return statistics.median(times) if times else None
 
 
-async def _measure(rig: Rig, spec: AttackSpec, baseline_s: float) -> dict[str, Any]:
+async def _fresh_baseline(honest: HonestClient, runs: int) -> float | None:
+    """The median of the next `runs` honest generations (started from now, none failing): the
+    swarm's speed just before an attack whose slowdown is bounded. A shared machine's load
+    drifts over a run of every attack; the one before the first attack is a poor reference
+    for the eleventh."""
+    since = time.monotonic()
+    with trio.move_on_after(runs * GENERATION_LIMIT_S):
+        while True:
+            fresh = [g for g in honest.done if g.start >= since]
+            if any(not g.ok for g in fresh):
+                return None
+            if len(fresh) >= runs:
+                return _median_time(fresh)
+            await trio.sleep(0.1)
+    return None
+
+
+async def _measure(
+    rig: Rig, spec: AttackSpec, baseline_s: float, baseline_runs: int = 3
+) -> dict[str, Any]:
     """Run one attack and measure what it did to the swarm."""
     assert rig.honest is not None
+    if spec.name in SLOWDOWN_BOUND_FOR:
+        baseline_s = await _fresh_baseline(rig.honest, baseline_runs) or baseline_s
     target = rig.daemons[spec.target]
     probe = rig.probes[spec.target]
     rss_before = _rss_mb(target)
@@ -241,6 +264,7 @@ async def _measure(rig: Rig, spec: AttackSpec, baseline_s: float) -> dict[str, A
         "daemon_alive": alive,
         "honest_ok": honest_ok,
         "honest_slowdown": round(median / baseline_s, 2) if median else None,
+        "baseline_s": round(baseline_s, 2),
         "rss_growth_mb": (round(rss_after - rss_before, 1) if rss_after and rss_before else None),
         "loop_stall_ms": round(stall, 1) if stall is not None else None,
         "attack_s": round(ended - started, 1),
@@ -311,7 +335,7 @@ async def _run(rig: Rig, specs: list[AttackSpec], baseline_runs: int) -> dict[st
             quiet_stall = rig.probes[HONEST].worst(baseline_start, time.monotonic())
             attacks = []
             for spec in specs:
-                report = await _measure(rig, spec, baseline_s)
+                report = await _measure(rig, spec, baseline_s, baseline_runs)
                 revived = await trio.to_thread.run_sync(rig.revive)
                 if revived:
                     report["restarted"] = revived
