@@ -250,7 +250,7 @@ class Trainer:
         self, hop: RouteHop, hidden: torch.Tensor, prompts: torch.Tensor | None
     ) -> torch.Tensor:
         outputs = []
-        for rows in micro_batches(*hidden.shape, self._cap(hop)):
+        for rows in micro_batches(*_rows_tokens_width(hidden), self._cap(hop)):
             request = wire.Forward(
                 model=self.swarm.model,
                 start=hop.start,
@@ -273,7 +273,7 @@ class Trainer:
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         grad_inputs: list[torch.Tensor] = []
         grad_prompts: list[torch.Tensor] = []
-        for rows in micro_batches(*hidden.shape, self._cap(hop)):
+        for rows in micro_batches(*_rows_tokens_width(hidden), self._cap(hop)):
             request = wire.Backward(
                 model=self.swarm.model,
                 start=hop.start,
@@ -377,6 +377,11 @@ class Trainer:
                     raise InferenceFailed(str(e)) from e
                 await self.swarm.refresh()
                 await trio.sleep(0.5)
+
+
+def _rows_tokens_width(hidden: torch.Tensor) -> tuple[int, int, int]:
+    batch, tokens, width = hidden.shape
+    return batch, tokens, width
 
 
 def _prompts_for(prompts: torch.Tensor | None, hop: RouteHop, rows: slice) -> torch.Tensor | None:
