@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,16 +20,6 @@ import blocks
 from blocks.errors import CheckpointError
 from tests.numeric import SAME, assert_close_scaled
 from tests.tiny_models import FAMILY_OF_CONFIG, TINY_CONFIGS, VOCAB, save_tiny
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny models on one thread: on a loaded 2-core machine torch's default threads contend, and
-    greedy decoding took 3.7 s instead of 0.13 s."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
