@@ -21,5 +21,22 @@ apt_need "the NAT tests (skipped without them)" iproute2 iptables || true
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .
-.venv/bin/mypy
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"
+pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25)
+if [ $# -gt 0 ]; then  # the tests named on the command line, after the type check
+    .venv/bin/mypy
+    exec "${pytest[@]}" "$@"
+fi
+# The type check runs beside the fast in-process tests (they use one core: conftest gives torch
+# one thread), then the tests where processes and networks are what is tested run alone.
+mypy_log=$(mktemp)
+.venv/bin/mypy >"$mypy_log" 2>&1 &
+mypy_pid=$!
+fast=0
+"${pytest[@]}" -m "not slow and not multiprocess and not netns" || fast=$?
+typed=0
+wait "$mypy_pid" || typed=$?
+cat "$mypy_log"
+slow=0
+"${pytest[@]}" -m "slow or multiprocess or netns" || slow=$?
+echo "peerd tests: fast exit $fast, mypy exit $typed, slow exit $slow"
+[ "$fast" -eq 0 ] && [ "$typed" -eq 0 ] && [ "$slow" -eq 0 ]
