@@ -5,6 +5,7 @@ token cap a slow server states. Nothing here asserts on wall time."""
 
 from __future__ import annotations
 
+import struct
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,6 +162,35 @@ async def test_a_request_whose_peer_closed_the_stream_is_given_up(
             release.set()
         assert server.counters.training_slices == 0  # its first slice never ran
         # The server serves on.
+        other = await _stream(net, "other", "a")
+        await other.send(request)
+        assert isinstance(await other.receive(TIMEOUT_S), wire.ForwardResult)
+
+
+async def test_garbage_sent_while_a_request_runs_ends_that_stream_only(
+    tiny_llama: Path, gates: list[threading.Event]
+) -> None:
+    """The server reads a training stream while its request runs (to see it close): bytes that
+    are no message there give the request up and end the stream with `bad_request`, a peer's
+    fault (not `internal`, a bug of ours), and the server serves on."""
+    async with open_memnet() as net:
+        server = net.serve("a", blocks.load_span(tiny_llama, 0, 3))
+        request = wire.Forward(
+            model=TINY_MODEL, start=0, end=3, hidden_states=_random(1, 4, HIDDEN, seed=12)
+        )
+        async with trio.open_nursery() as nursery:
+            started, release = await _hold_device(nursery, server, gates)
+            await _until(started.is_set)
+            stream = await _stream(net, "garbler", "a")
+            await stream.send(request)
+            await _until(lambda: server.admission.training_of(net.peer_id("garbler")) == 1)
+            await stream.stream.write(struct.pack(">I", 4) + b"\xc1" * 4)  # 0xc1: never msgpack
+            await _until(lambda: server.admission.training_inflight == 0)
+            release.set()
+        refused = await stream.receive(TIMEOUT_S)
+        assert isinstance(refused, wire.Error) and refused.code == wire.ErrorCode.BAD_REQUEST
+        assert server.counters.training_slices == 0
+        assert wire.ErrorCode.INTERNAL not in server.counters.errors
         other = await _stream(net, "other", "a")
         await other.send(request)
         assert isinstance(await other.receive(TIMEOUT_S), wire.ForwardResult)

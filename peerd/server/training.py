@@ -137,8 +137,30 @@ async def _run_while_connected(
     """run_training(request), given up (PeerGone) when the peer closes the stream meanwhile:
     nobody would read the answer, and a flood would keep the device busy long after its
     sender left. A message the peer sends meanwhile is kept in `pending` for its turn."""
-    _check(server, request)  # its ProtocolError before the nursery, which would wrap it
+    _check(server, request)  # a refusal before the watcher starts reading
     gone: list[PeerGone] = []
+    try:
+        reply = await _run_watched(server, messages, request, pending, gone)
+    except BaseExceptionGroup as group:  # the nursery's: the stream boundary wants the error
+        if len(group.exceptions) == 1 and isinstance(group.exceptions[0], Exception):
+            raise group.exceptions[0] from None
+        raise
+    if gone:
+        raise gone[0]
+    assert reply is not None  # it ran to its end
+    return reply
+
+
+async def _run_watched(
+    server: BlockServer,
+    messages: MessageStream,
+    request: wire.Forward | wire.Backward,
+    pending: list[wire.Message],
+    gone: list[PeerGone],
+) -> wire.ForwardResult | wire.BackwardResult | None:
+    """run_training(request) while a watcher reads the stream (see _run_while_connected); None
+    when the watcher found the peer gone (in `gone`)."""
+    reply = None
     async with trio.open_nursery() as nursery:
 
         async def watch() -> None:
@@ -153,8 +175,6 @@ async def _run_while_connected(
         nursery.start_soon(watch)
         reply = await run_training(server, request)
         nursery.cancel_scope.cancel()
-    if gone:
-        raise gone[0]
     return reply
 
 
