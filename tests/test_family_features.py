@@ -186,16 +186,6 @@ def _load(checkpoint: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    """One torch thread: on a loaded 2-core machine spinning OpenMP threads make each forward
-    of these tiny models take far longer than the arithmetic."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module", params=sorted(TINY_CONFIGS))
 def tiny(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
