@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -164,26 +165,27 @@ def test_two_daemons_differing_only_in_socket_are_two_peers(swarm: LocalSwarm, d
             socket=dirs / f"{name}.sock", log_path=dirs / f"{name}.log",
         )  # fmt: skip
 
-    first = daemon("a", "29:30").start(timeout=300)
+    first, second = daemon("a", "29:30"), daemon("b", "none")
     try:
-        second = daemon("b", "none").start(timeout=300)
-        try:
-            assert first.peer_id != second.peer_id
-            answers = []
-            for each in (first, second):
-                _wait_until_every_block_is_served(each.socket)
-                with Client(each.socket) as client:
-                    answers.append(client.generate("The capital of France is", max_new_tokens=4))
-            assert answers[0] == answers[1] and answers[0].strip()
-            # A third on the first one's identity file is refused at once, naming another.
-            taken = next((dirs / "state").glob("identity-a-*.key"))  # first's, from its socket
-            config = DaemonConfig(new_swarm=True, identity=taken, socket=dirs / "c.sock")
-            with pytest.raises(DaemonError, match="is in use by another peerd daemon") as refused:
-                run(config)
-            assert f"give this one --identity {startup.identity_for_socket(dirs / 'c.sock')}" in (
-                str(refused.value)
-            )
-        finally:
-            second.kill()
+        # Started side by side, as a user's two shells may: one start's wait is the other's.
+        with ThreadPoolExecutor(2) as pool:
+            for started in [pool.submit(d.start, timeout=300) for d in (first, second)]:
+                started.result()
+        assert first.peer_id != second.peer_id
+        answers = []
+        for each in (first, second):
+            _wait_until_every_block_is_served(each.socket)
+            with Client(each.socket) as client:
+                answers.append(client.generate("The capital of France is", max_new_tokens=4))
+        assert answers[0] == answers[1] and answers[0].strip()
+        # A third on the first one's identity file is refused at once, naming another.
+        taken = next((dirs / "state").glob("identity-a-*.key"))  # first's, from its socket
+        config = DaemonConfig(new_swarm=True, identity=taken, socket=dirs / "c.sock")
+        with pytest.raises(DaemonError, match="is in use by another peerd daemon") as refused:
+            run(config)
+        assert f"give this one --identity {startup.identity_for_socket(dirs / 'c.sock')}" in (
+            str(refused.value)
+        )
     finally:
+        second.kill()
         first.kill()
