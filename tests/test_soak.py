@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 def test_short_soak_loses_no_generation() -> None:
     report = run_soak_bench(
-        duration_s=30, clients=2, kill_every_s=10, new_tokens=8, warmup_s=5, spans=("0:30",)
+        duration_s=15, clients=2, kill_every_s=5, new_tokens=8, warmup_s=3, spans=("0:30",)
     )
     print(report)
     assert report["kills"] >= 1, report
