@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -359,8 +360,8 @@ def test_metrics_move_during_a_generation() -> None:
         assert before["peerd_cache_tokens_free"] > 0
         during: dict[str, float] = {}
         with Client(client_daemon.socket) as client:
-            for pieces, _ in enumerate(client.generate(PROMPT, max_new_tokens=40, stream=True)):
-                if pieces == 20:
+            for pieces, _ in enumerate(client.generate(PROMPT, max_new_tokens=24, stream=True)):
+                if pieces == 12:
                     during = _scrape(server_port)
         time.sleep(1.2)  # one more tokens/s sample
         after = _scrape(server_port)
@@ -375,7 +376,7 @@ def test_metrics_move_during_a_generation() -> None:
         assert during["peerd_cache_tokens_used"] > 0
         assert 0 < during["peerd_steps_total"] < after["peerd_steps_total"]
         assert after["peerd_sessions_opened_total"] == 1 and after["peerd_sessions_open"] == 0
-        assert after["peerd_tokens_served_total"] >= 39 + len(PROMPT.split())
+        assert after["peerd_tokens_served_total"] >= 23 + len(PROMPT.split())
         assert after["peerd_tokens_per_second"] > 0
         assert after["peerd_peers_connected"] >= 1 and after["peerd_peers_known"] >= 1
         assert api["peerd_generations_total"] == 1 and api["peerd_swarm_servers"] == 1
@@ -448,13 +449,11 @@ async def test_sigterm_to_the_unit_moves_the_generation_to_the_other_server(
     drains it (deadline 1 s), the client finishes on the other server, the tokens equal local
     greedy, and the daemon exits 0 (so Restart=on-failure leaves it stopped)."""
     ids = tokenizer(PROMPT)["input_ids"]
-    reference = greedy_continuation(local_model, tokenizer, PROMPT, 40)
+    reference = greedy_continuation(local_model, tokenizer, PROMPT, 24)
     swarm = LocalSwarm(workdir=tmp_path)
     unit_process: _UnitProcess | None = None
     try:
         swarm.start("a", "0:10")
-        other = swarm.start("b", "10:20")
-        swarm.start("c", "20:30")
         start_args = (
             "--blocks", "10:20", "--initial-peers", swarm.initial_peers[0],
             "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--refresh-period", "2",
@@ -462,6 +461,11 @@ async def test_sigterm_to_the_unit_moves_the_generation_to_the_other_server(
         )  # fmt: skip
         unit = unit_text(ServiceSpec(start_args))
         unit_process = _UnitProcess(unit, tmp_path)
+        # b and c start beside the unit's daemon: `a` is everyone's initial peer.
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            other_start = pool.submit(swarm.start, "b", "10:20")
+            pool.submit(swarm.start, "c", "20:30").result()
+            other = other_start.result()
         unit_peer = await trio.to_thread.run_sync(unit_process.wait_ready)
         state = tmp_path / "state" / "peerd"
         assert (state / "identity.key").exists()  # identity under StateDirectory
@@ -474,8 +478,9 @@ async def test_sigterm_to_the_unit_moves_the_generation_to_the_other_server(
             middles: list[str] = []
             signalled_at = 0.0
             prompt = torch.tensor([ids])
-            async with InferenceSession(leech.swarm, max_length=len(ids) + 40) as session:
-                async for token in leech.generator.generate(prompt, 40, session=session):
+            # 16 tokens after SIGTERM, each at least 0.1 s: the 1 s drain deadline passes.
+            async with InferenceSession(leech.swarm, max_length=len(ids) + 24) as session:
+                async for token in leech.generator.generate(prompt, 24, session=session):
                     tokens.append(int(token[0, 0]))
                     middles.append(next(h.peer_id for h in session.hops if h.hop.start == 10))
                     if len(tokens) == 8:
