@@ -26,6 +26,7 @@ import random
 
 from routing.records import SELECTION_STATES, ServerRecord, SwarmSnapshot
 from routing.speeds import believed_snapshot
+from wire import ServerState
 
 # A move drains sessions and reloads weights, minutes of lost service; only make it when the
 # weakest affected block gains at least 20%. Below that, throughput measurements are noise.
@@ -149,6 +150,30 @@ def should_move(
 ) -> bool:
     """Whether `better_span` would move this server."""
     return better_span(snapshot, my_record, min_improvement=min_improvement) is not None
+
+
+def first_to_move(
+    snapshot: SwarmSnapshot,
+    my_record: ServerRecord,
+    target: tuple[int, int],
+    *,
+    min_improvement: float = DEFAULT_MIN_IMPROVEMENT,
+) -> str:
+    """The peer id of the server that should make the move to `target` first: of the online
+    servers holding the same span as this one (itself included) that `better_span` would send
+    to `target`, the lowest peer id. Servers that see the same gap decide within a refresh of
+    each other, before either one's move can show; without an order they all move, each sees
+    the span they left empty, and they all move back (seen with two servers of 0:10 and a gap
+    at 10:20, for over a minute)."""
+    movers = [my_record.peer_id]
+    for record in snapshot.records:
+        if record.peer_id == my_record.peer_id or record.span != my_record.span:
+            continue
+        if record.state is not ServerState.ONLINE:
+            continue
+        if better_span(snapshot, record, min_improvement=min_improvement) == target:
+            movers.append(record.peer_id)
+    return min(movers)
 
 
 def recheck_delay(

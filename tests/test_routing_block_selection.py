@@ -13,6 +13,7 @@ from routing.block_selection import (
     better_span,
     blocks_that_fit,
     choose_blocks,
+    first_to_move,
     recheck_delay,
     should_move,
 )
@@ -304,3 +305,22 @@ def test_blocks_that_fit(
 def test_blocks_that_fit_rejects_bad_arguments(args: tuple[int, int, int, int]) -> None:
     with pytest.raises(ValueError):
         blocks_that_fit(*args)
+
+
+def test_of_two_servers_that_would_fill_the_same_gap_only_the_first_moves() -> None:
+    # The middle server died: both servers of 0:10 would move to 10:20. Were both to move, 0:10
+    # would be empty and both would move back (their moves show only after they decide).
+    one, two = make_record("p1", 0, 10), make_record("p2", 0, 10)
+    snap = make_snapshot(30, one, two, make_record("c", 20, 30))
+    assert better_span(snap, one) == better_span(snap, two) == (10, 20)
+    assert first_to_move(snap, one, (10, 20)) == "p1"
+    assert first_to_move(snap, two, (10, 20)) == "p1"
+    # Once p1's move shows (joining 10:20), p2 has nothing to fill.
+    moved = make_snapshot(
+        30, make_record("p1", 10, 20, state=ServerState.JOINING), two, make_record("c", 20, 30)
+    )
+    assert better_span(moved, two) is None
+    # A server of another span, or one not online, is not waited for.
+    draining = dataclasses.replace(one, state=ServerState.DRAINING)
+    alone = make_snapshot(30, draining, two, make_record("c", 20, 30))
+    assert first_to_move(alone, two, (10, 20)) == "p2"

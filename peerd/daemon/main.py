@@ -39,7 +39,13 @@ from peerd.server.block_server import BlockServer, ServerLimits
 from peerd.server.compute import ComputeQueue
 from peerd.session.generation import Generator
 from peerd.session.swarm import REFRESH_SLACK_S, SwarmView
-from routing.block_selection import better_span, blocks_that_fit, choose_blocks, recheck_delay
+from routing.block_selection import (
+    better_span,
+    blocks_that_fit,
+    choose_blocks,
+    first_to_move,
+    recheck_delay,
+)
 
 if TYPE_CHECKING:
     from libp2p.crypto.keys import KeyPair
@@ -57,6 +63,9 @@ DRAIN_DEADLINE_S = 30.0
 # Seconds between AutoNAT checks until peers have given a verdict, and after.
 REACHABILITY_FIRST_CHECKS_S = 2.0
 REACHABILITY_RECHECK_S = 300.0
+# --blocks auto: how many rechecks a server lets the first of its span (first_to_move) make a
+# move they both want, before it makes the move itself.
+MAX_DEFERRED_MOVES = 2
 
 
 class DaemonError(Exception):
@@ -348,12 +357,20 @@ class Daemon:
         the same gap do not all move at once."""
         assert self.server is not None and self.swarm is not None
         rng = random.Random()
+        deferred = 0  # rechecks this server let another of its span move first
         while True:
             await trio.sleep(recheck_delay(rng, self.config.rebalance_period))
             await self.swarm.refresh()
-            target = better_span(self.swarm.snapshot(), self.server.record())
+            snapshot, record = self.swarm.snapshot(), self.server.record()
+            target = better_span(snapshot, record)
             if target is None:
+                deferred = 0
                 continue
+            first = first_to_move(snapshot, record, target)
+            if first != record.peer_id and deferred < MAX_DEFERRED_MOVES:
+                deferred += 1  # its move shows by the next recheck, unless it never makes it
+                continue
+            deferred = 0
             old = (self.server.start, self.server.end)
             log.info("moving from blocks %d:%d to %d:%d: the swarm needs them more", *old, *target)
             await self.drain()
