@@ -22,6 +22,7 @@ import re
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -40,6 +41,7 @@ from wire.conversation import ClientTraining, Refused
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", wire.ForwardResult, wire.BackwardResult)
+T = TypeVar("T")
 
 # A training pass recomputes a span's forward and runs its backward: a few times an inference
 # step's work, on a queue where inference goes first.
@@ -206,13 +208,9 @@ class Trainer:
     async def _forward_hop(
         self, hop: RouteHop, hidden: torch.Tensor, prompts: torch.Tensor | None
     ) -> torch.Tensor:
-        for retry in range(MAX_CAP_RETRIES + 1):
-            try:
-                return await self._forward_hop_once(hop, hidden, prompts)
-            except HopFailed as e:
-                if retry == MAX_CAP_RETRIES or not self._learn_cap(hop, e, hidden.shape[1]):
-                    raise
-        raise AssertionError("unreachable")
+        return await self._within_cap(
+            hop, hidden.shape[1], lambda: self._forward_hop_once(hop, hidden, prompts)
+        )
 
     async def _backward_hop(
         self,
@@ -221,11 +219,22 @@ class Trainer:
         grad_outputs: torch.Tensor,
         prompts: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return await self._within_cap(
+            hop,
+            hidden.shape[1],
+            lambda: self._backward_hop_once(hop, hidden, grad_outputs, prompts),
+        )
+
+    async def _within_cap(
+        self, hop: RouteHop, row_tokens: int, send: Callable[[], Awaitable[T]]
+    ) -> T:
+        """send(), sent again in smaller micro-batches (up to MAX_CAP_RETRIES times) while the
+        hop's server refuses it for its token cap (_learn_cap)."""
         for retry in range(MAX_CAP_RETRIES + 1):
             try:
-                return await self._backward_hop_once(hop, hidden, grad_outputs, prompts)
+                return await send()
             except HopFailed as e:
-                if retry == MAX_CAP_RETRIES or not self._learn_cap(hop, e, hidden.shape[1]):
+                if retry == MAX_CAP_RETRIES or not self._learn_cap(hop, e, row_tokens):
                     raise
         raise AssertionError("unreachable")
 
