@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from libp2p.peer.id import ID
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import blocks
 import wire
@@ -23,6 +23,7 @@ from peerd.node.p2p import INFERENCE_PROTOCOL
 from peerd.node.streams import MessageStream
 from peerd.sdk.client import Client, PeerdError
 from peerd.session.leech import open_leech
+from tests.tiny_models import llama_for_tokenizer
 
 peft = pytest.importorskip("peft")
 
@@ -39,17 +40,8 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     a PEFT LoRA adapter on it with non-zero B matrices, and both models in this process."""
     root = tmp_path_factory.mktemp("lora-swarm")
     tokenizer = AutoTokenizer.from_pretrained(blocks.resolve_checkpoint("default"))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.3,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+    config = llama_for_tokenizer(
+        tokenizer, hidden_size=64, intermediate_size=128, num_hidden_layers=6, initializer_range=0.3
     )
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(config).eval()

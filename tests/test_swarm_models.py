@@ -31,7 +31,7 @@ from peerd.session.swarm import SwarmView
 from routing.models import BadModelName, check_model_name
 from routing.records import record_to_info
 from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet
-from tests.tiny_models import save_tiny
+from tests.tiny_models import llama_for_tokenizer, save_tiny
 
 OTHER = "other-model"  # the daemon's own model in these tests (a second copy of the tiny llama)
 
@@ -225,21 +225,10 @@ NEW_TOKENS = 4
 
 def _tiny_with_tokenizer(directory: Path) -> Path:
     """A tiny random llama with the default model's tokenizer (so it chats), named tiny-llama."""
-    from transformers import AutoTokenizer, LlamaConfig
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(blocks.resolve_checkpoint("default"))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.5,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    config = llama_for_tokenizer(tokenizer)
     torch.manual_seed(0)
     path = directory / TINY_MODEL
     AutoModelForCausalLM.from_config(config).save_pretrained(path)

@@ -5,6 +5,7 @@ iterates TINY_CONFIGS; FAMILY_OF_CONFIG names the family of the variants (falcon
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -130,3 +131,23 @@ def save_tiny(name: str, directory: Path, **save_kwargs: object) -> Path:
     model = AutoModelForCausalLM.from_config(TINY_CONFIGS[name])
     model.save_pretrained(directory, **save_kwargs)
     return directory
+
+
+def llama_for_tokenizer(tokenizer: Any, **sizes: Any) -> LlamaConfig:
+    """A tiny untied llama config for `tokenizer`'s vocabulary and special tokens (the default
+    model's, so daemons can decode and chat with it); `sizes` override the tiny shape."""
+    shape = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "initializer_range": 0.5,
+    }
+    return LlamaConfig(
+        **{**shape, **sizes},
+        vocab_size=len(tokenizer),
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
