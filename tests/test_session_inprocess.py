@@ -270,3 +270,35 @@ async def test_training_passes_follow_the_conversation_and_route_around_a_wrong_
         head, spare = net.peer_id("head"), net.peer_id("spare")
         assert route == (f"{head}[0:3)", f"{spare}[3:6)")
     assert_close_scaled(output, reference)
+
+
+async def test_an_allowed_server_that_just_failed_is_waited_for_not_called_absent(
+    tiny_llama: Path, whole: blocks.Span
+) -> None:
+    """A request failed on an allowed server a moment ago: the server is out of the view and
+    banned until the ban ends and a refresh finds it again. The next session naming it in
+    allowed_servers waits for it, even past a refresh that did not reach it, instead of failing
+    at once with "... is not in the swarm"."""
+    steps = _steps(3, (4, 1))
+    async with open_memnet() as net:
+        # "other" is not allowed: without the tail, only it holds blocks 3:6.
+        _serve(net, tiny_llama, {"head": (0, 3), "tail": (3, 6), "other": (0, 6)})
+        view = _view(net)
+        tail = net.peer_id("tail")
+        view.report_failure(tail)
+        assert tail not in view.records and view.bans.is_banned(tail, time.time())
+        refreshes = 0
+
+        async def refresh() -> None:  # the first one is cut short before it reaches the tail
+            nonlocal refreshes
+            refreshes += 1
+            if refreshes > 1:
+                view.records = net.records()
+
+        view.refresh = refresh  # type: ignore[method-assign]
+        routing = wire.RouteOptions(allowed_servers=[net.peer_id("head"), tail])
+        async with InferenceSession(view, max_length=16, routing=routing) as session:
+            outputs = [await session.step(hidden) for hidden in steps]
+            assert [hop.peer_id for hop in session.hops] == [net.peer_id("head"), tail]
+        assert refreshes >= 2 and session.failures == 0
+    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))

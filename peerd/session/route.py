@@ -313,8 +313,15 @@ class RouteKeeper:
 
     def _check_allowed_cover(self, start: int, end: int) -> None:
         """Raise NoRouteError at once when the caller's allowed_servers leave some of blocks
-        [start, end) to servers outside it: waiting for the swarm cannot fix that."""
+        [start, end) to servers outside it: waiting for the swarm cannot fix that. An allowed
+        server that failed a request a moment ago is out of the view only until its ban ends
+        and a refresh finds it again: while one is banned (not for lying), the caller waits
+        for it like for any other, up to the route deadline."""
         if self.allowed is None:
+            return
+        now = time.time()
+        bans = self.swarm.bans
+        if any(bans.is_banned(p, now) and not bans.is_liar(p, now) for p in self.allowed):
             return
         try:
             plan_route(
