@@ -1,0 +1,380 @@
+"""Discovery that scales: signed compact records kept in the DHT per block bucket, and which
+servers a client contacts before its first token.
+
+A server publishes what a client needs to plan (its span, throughput, free cache, state, relayed,
+addresses) as a compact record it signs with its libp2p key (`sign_record`). The record is stored
+under one DHT key per (model, block bucket, shard) its span touches (`record_key`): a bucket is
+BUCKET_BLOCKS consecutive blocks, and a bucket's servers are split into `shard_count` shards by
+peer id so that no DHT key holds more than about RECORDS_PER_SHARD records and the DHT nodes
+closest to one key are not the swarm's hot spot. A DHT node keeps a key's records in a
+`RecordShard`, which believes only what `open_record` accepts.
+
+`open_record` is where a record is believed or not, on the storing node and again on the client:
+its signature must verify with the key its peer id names (an Ed25519 peer id holds its public key,
+so nobody can publish a record for another peer id), its span must touch the bucket it is stored
+under and lie inside the model, its shard must be its peer id's, and its throughput must be one a
+machine can reach (routing.speeds.MAX_BLOCK_STEPS_PER_S). Whatever else a record claims is the
+server's word: the client still plans with credible throughputs (routing.speeds) and confirms the
+few servers it contacts with a live `info` call (`live_agrees`) before a route uses them.
+
+A client fetches one shard of every bucket of the blocks it needs (a few KB each), plans over
+those records, and contacts only `choose_contacts`: the servers of a few alternative routes,
+never more than MAX_CONTACTS, instead of every server the DHT names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+import random
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import msgpack
+from libp2p.crypto.keys import PrivateKey
+from libp2p.crypto.serialization import deserialize_public_key
+from libp2p.peer.id import ID
+
+from routing.bans import BanList
+from routing.planner import NoRouteError, plan_route
+from routing.records import ServerRecord, SwarmSnapshot
+from routing.speeds import MAX_BLOCK_STEPS_PER_S
+from wire import ServerState
+
+# Blocks per bucket: an 80-block model has 10 buckets, so a client's first route needs 10 DHT
+# look-ups (run side by side), and a server of a typical span of 10-30 blocks publishes 2-5 keys.
+BUCKET_BLOCKS = 8
+# What one DHT key holds at most: at ~200 bytes a record, a shard is ~13 KB on the wire. The
+# shard count aims at TARGET_PER_SHARD so that a key rarely fills up as the swarm grows between
+# estimates.
+RECORDS_PER_SHARD = 64
+TARGET_PER_SHARD = 24
+MAX_SHARDS = 1 << 12
+# A signed record bigger than this is refused unread (a record with one address is ~200 bytes).
+MAX_SIGNED_RECORD_BYTES = 2048
+# Signatures cover this prefix and the payload, so a record signature cannot be replayed as a
+# signature of anything else the same key signs.
+SIGNATURE_DOMAIN = b"peerd/server-record/1\x00"
+# A record claiming to be made this far in our future is refused (clocks differ, but not by
+# hours); one that claims to live longer than MAX_RECORD_LIFETIME_S is kept only that long.
+MAX_CLOCK_SKEW_S = 300.0
+MAX_RECORD_LIFETIME_S = 3600.0
+# Before its first token a client contacts at most this many servers (each an `info` call).
+MAX_CONTACTS = 24
+ALTERNATIVE_ROUTES = 4
+# Multihash code of an identity hash: an Ed25519 peer id carries its public key inline.
+_IDENTITY_MULTIHASH = 0x00
+_STATES = (ServerState.JOINING, ServerState.ONLINE, ServerState.DRAINING)
+
+
+class ForgedRecord(ValueError):
+    """A record that must not be believed: bad signature, another peer's id, a span outside the
+    bucket it came under, an impossible throughput. The message says which."""
+
+
+def bucket_of(block: int) -> int:
+    return block // BUCKET_BLOCKS
+
+
+def buckets_of_span(start: int, end: int) -> range:
+    """The buckets blocks [start, end) touch."""
+    if not 0 <= start < end:
+        raise ValueError(f"a span needs 0 <= start < end, got [{start}, {end})")
+    return range(bucket_of(start), bucket_of(end - 1) + 1)
+
+
+def shard_count(estimated_servers: float, num_blocks: int, mean_span: float = 20.0) -> int:
+    """Shards per bucket for a swarm of about `estimated_servers` servers: a power of two, so
+    that peers whose estimates differ by less than 2x mostly agree."""
+    buckets = max(1, math.ceil(num_blocks / BUCKET_BLOCKS))
+    touched = min(buckets, 1 + mean_span / BUCKET_BLOCKS)  # buckets one server's span touches
+    per_bucket = max(1.0, estimated_servers) * touched / buckets
+    wanted = max(1.0, per_bucket / TARGET_PER_SHARD)
+    return min(MAX_SHARDS, 1 << round(math.log2(wanted)))
+
+
+def shard_of(peer_id: str, shards: int) -> int:
+    digest = hashlib.sha256(peer_id.encode()).digest()
+    return int.from_bytes(digest[:8], "big") % shards
+
+
+def record_key(model: str, bucket: int, shard: int, swarm_name: str = "") -> bytes:
+    """The DHT key (sha-256 of its name) holding shard `shard` of bucket `bucket` of `model`."""
+    prefix = f"peerd/{swarm_name}/" if swarm_name else "peerd/"
+    return hashlib.sha256(f"{prefix}{model}/records/{bucket}/{shard}".encode()).digest()
+
+
+@dataclass(frozen=True)
+class SignedRecord:
+    """A compact record (`payload`) and its author's signature over SIGNATURE_DOMAIN + payload."""
+
+    payload: bytes
+    signature: bytes
+
+    def to_bytes(self) -> bytes:
+        return msgpack.packb([self.payload, self.signature], use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SignedRecord:
+        if len(data) > MAX_SIGNED_RECORD_BYTES:
+            raise ValueError(f"signed record of {len(data)} bytes > {MAX_SIGNED_RECORD_BYTES}")
+        try:
+            fields = msgpack.unpackb(data, raw=False)
+        except Exception as error:
+            raise ValueError(f"signed record is not msgpack: {error}") from None
+        if (
+            not isinstance(fields, list)
+            or len(fields) != 2
+            or not all(isinstance(f, bytes) for f in fields)
+        ):
+            raise ValueError("signed record must be [payload bytes, signature bytes]")
+        return cls(fields[0], fields[1])
+
+    def __len__(self) -> int:
+        return len(self.payload) + len(self.signature) + 6
+
+
+def encode_payload(record: ServerRecord) -> bytes:
+    """The fields a client plans with, as a msgpack list (field names cost more than values)."""
+    return msgpack.packb(
+        [
+            1,
+            record.peer_id,
+            record.model,
+            record.swarm,
+            record.start,
+            record.end,
+            record.throughput,
+            record.free_cache_tokens,
+            _STATES.index(record.state),
+            record.relayed,
+            record.updated_at,
+            record.expires_at if math.isfinite(record.expires_at) else 0.0,
+            list(record.addrs),
+            record.version,
+            record.max_session_length,
+        ],
+        use_bin_type=True,
+    )
+
+
+def decode_payload(payload: bytes) -> ServerRecord:
+    """A compact record back as a ServerRecord; ValueError naming what is wrong."""
+    try:
+        f = msgpack.unpackb(payload, raw=False)
+    except Exception as error:
+        raise ValueError(f"record payload is not msgpack: {error}") from None
+    if not isinstance(f, list) or len(f) < 15 or f[0] != 1:
+        raise ValueError("record payload is not a version-1 compact record")
+    if not isinstance(f[8], int) or not 0 <= f[8] < len(_STATES):
+        raise ValueError(f"record payload has an unknown state {f[8]!r}")
+    if not isinstance(f[12], list):
+        raise ValueError("record payload's addrs must be a list")
+    return ServerRecord.from_dict(
+        {
+            "peer_id": f[1],
+            "model": f[2],
+            "swarm": f[3],
+            "start": f[4],
+            "end": f[5],
+            "throughput": f[6],
+            "free_cache_tokens": f[7],
+            "state": _STATES[f[8]].value,
+            "relayed": f[9],
+            "updated_at": f[10],
+            "expires_at": f[11] or math.inf,
+            "addrs": f[12],
+            "version": f[13],
+            "max_session_length": f[14],
+        }
+    )
+
+
+def sign_record(record: ServerRecord, private_key: PrivateKey) -> SignedRecord:
+    """Sign our own record; ValueError if `record` names another peer than the key's."""
+    own = ID.from_pubkey(private_key.get_public_key()).to_base58()
+    if record.peer_id != own:
+        raise ValueError(f"a key of peer {own} cannot sign a record of peer {record.peer_id}")
+    payload = encode_payload(record)
+    return SignedRecord(payload, private_key.sign(SIGNATURE_DOMAIN + payload))
+
+
+def _verify_signature(signed: SignedRecord, peer_id: str) -> None:
+    try:
+        raw = ID.from_base58(peer_id).to_bytes()
+    except Exception:
+        raise ForgedRecord(f"record's peer id {peer_id!r} is not a peer id") from None
+    # An identity multihash: code 0x00, a one-byte length, then the protobuf public key.
+    if len(raw) < 3 or raw[0] != _IDENTITY_MULTIHASH or raw[1] != len(raw) - 2:
+        raise ForgedRecord(
+            f"peer {peer_id}'s id does not carry its public key (only Ed25519 peers publish "
+            "records in the DHT; others are found through provider records and `info`)"
+        )
+    try:
+        key = deserialize_public_key(raw[2:])
+        valid = key.verify(SIGNATURE_DOMAIN + signed.payload, signed.signature)
+    except Exception:
+        valid = False
+    if not valid:
+        raise ForgedRecord(f"record of peer {peer_id} is not signed by that peer's key")
+
+
+def open_record(
+    signed: SignedRecord,
+    *,
+    model: str,
+    num_blocks: int,
+    now: float,
+    bucket: int | None = None,
+    swarm_name: str = "",
+) -> ServerRecord:
+    """The record `signed` holds, if it may be believed; ForgedRecord (or ValueError for a
+    malformed one) saying why not. `bucket`: the bucket whose key it was stored under."""
+    record = decode_payload(signed.payload)
+    _verify_signature(signed, record.peer_id)
+    who = f"record of peer {record.peer_id}"
+    if record.model != model or record.swarm != swarm_name:
+        raise ForgedRecord(f"{who} is for {record.swarm}/{record.model}, not {swarm_name}/{model}")
+    if record.end > num_blocks:
+        raise ForgedRecord(f"{who} spans [{record.start}, {record.end}) of {num_blocks} blocks")
+    if bucket is not None and bucket not in buckets_of_span(record.start, record.end):
+        raise ForgedRecord(
+            f"{who} spans [{record.start}, {record.end}), outside bucket {bucket} it came under"
+        )
+    if record.throughput * record.num_blocks > MAX_BLOCK_STEPS_PER_S:
+        raise ForgedRecord(
+            f"{who} claims {record.throughput:g} tokens/s over {record.num_blocks} blocks, "
+            f"more than {MAX_BLOCK_STEPS_PER_S:g} block steps/s no machine reaches"
+        )
+    if record.updated_at > now + MAX_CLOCK_SKEW_S:
+        raise ForgedRecord(f"{who} is dated {record.updated_at - now:.0f} s in the future")
+    lifetime = min(record.expires_at, record.updated_at + MAX_RECORD_LIFETIME_S)
+    if lifetime != record.expires_at:
+        record = _with_expiry(record, lifetime)
+    if record.is_expired(now):
+        raise ValueError(f"{who} expired {now - record.expires_at:.0f} s ago")
+    return record
+
+
+def _with_expiry(record: ServerRecord, expires_at: float) -> ServerRecord:
+    return dataclasses.replace(record, expires_at=expires_at)
+
+
+class RecordShard:
+    """The records a DHT node keeps under one key: newest per peer, believed (`open_record`),
+    expired ones dropped, at most RECORDS_PER_SHARD (the soonest to expire go first)."""
+
+    def __init__(self, model: str, num_blocks: int, bucket: int, shard: int, shards: int) -> None:
+        self.model, self.num_blocks = model, num_blocks
+        self.bucket, self.shard, self.shards = bucket, shard, shards
+        self._kept: dict[str, tuple[ServerRecord, SignedRecord]] = {}
+
+    def offer(self, signed: SignedRecord, now: float, swarm_name: str = "") -> ServerRecord:
+        """Keep `signed` if it is believable and newer than what we hold of its peer; return the
+        record, or raise ForgedRecord/ValueError."""
+        record = open_record(
+            signed,
+            model=self.model,
+            num_blocks=self.num_blocks,
+            now=now,
+            bucket=self.bucket,
+            swarm_name=swarm_name,
+        )
+        if shard_of(record.peer_id, self.shards) != self.shard:
+            raise ForgedRecord(f"record of peer {record.peer_id} belongs to another shard")
+        held = self._kept.get(record.peer_id)
+        if held is not None and held[0].updated_at >= record.updated_at:
+            return held[0]
+        self._kept[record.peer_id] = (record, signed)
+        self.expire(now)
+        if len(self._kept) > RECORDS_PER_SHARD:
+            soonest = min(self._kept, key=lambda p: self._kept[p][0].expires_at)
+            del self._kept[soonest]
+        return record
+
+    def expire(self, now: float) -> None:
+        for peer_id in [p for p, (r, _) in self._kept.items() if r.is_expired(now)]:
+            del self._kept[peer_id]
+
+    def signed_records(self, now: float) -> list[SignedRecord]:
+        self.expire(now)
+        return [signed for _, signed in self._kept.values()]
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+
+def believe(
+    fetched: Iterable[tuple[int, SignedRecord]],
+    *,
+    model: str,
+    num_blocks: int,
+    now: float,
+    swarm_name: str = "",
+) -> tuple[SwarmSnapshot, list[str]]:
+    """A client's snapshot from (bucket, signed record) pairs fetched from the DHT, and why each
+    refused record was refused: a forged record is never used."""
+    records: list[ServerRecord] = []
+    refused: list[str] = []
+    for bucket, signed in fetched:
+        try:
+            records.append(
+                open_record(
+                    signed,
+                    model=model,
+                    num_blocks=num_blocks,
+                    now=now,
+                    bucket=bucket,
+                    swarm_name=swarm_name,
+                )
+            )
+        except ValueError as error:
+            refused.append(str(error))
+    return SwarmSnapshot.from_records(model, num_blocks, records, now=now), refused
+
+
+def choose_contacts(
+    snapshot: SwarmSnapshot,
+    *,
+    rtts: Mapping[str, float] | None = None,
+    bans: BanList | None = None,
+    now: float | None = None,
+    max_contacts: int = MAX_CONTACTS,
+    alternatives: int = ALTERNATIVE_ROUTES,
+    rng: random.Random | None = None,
+) -> list[str]:
+    """The servers a client contacts before its first route, cheapest route's first: the hops of
+    the cheapest route over `snapshot`, then of the cheapest routes that avoid the servers
+    already chosen, up to `max_contacts` (the live `info` calls confirm them and measure RTTs;
+    the route is then planned over those that answered). NoRouteError if no route exists."""
+    chosen: list[str] = []
+    blocked: set[str] = set()
+    for attempt in range(max(1, alternatives)):
+        try:
+            route = plan_route(
+                snapshot, rtts=rtts, bans=bans or (), now=now, blocked_servers=blocked, rng=rng
+            )
+        except NoRouteError:
+            if attempt == 0:
+                raise
+            break
+        for hop in route:
+            if hop.peer_id not in chosen:
+                chosen.append(hop.peer_id)
+            blocked.add(hop.peer_id)
+        if len(chosen) >= max_contacts:
+            break
+    return chosen[:max_contacts]
+
+
+def live_agrees(published: ServerRecord, live: ServerRecord) -> bool:
+    """Whether a server's live `info` answer backs what it published: same peer and model, and
+    its live span holds the published one (a server that moved is planned with its live record
+    only). A record the server does not back is not used."""
+    return (
+        live.peer_id == published.peer_id
+        and live.model == published.model
+        and live.start <= published.start
+        and published.end <= live.end
+    )
