@@ -27,7 +27,9 @@ if [ $# -gt 0 ]; then  # the tests named on the command line, after the type che
     exec "${pytest[@]}" "$@"
 fi
 # The type check runs beside the fast in-process tests (they use one core: conftest gives torch
-# one thread), then the tests where processes and networks are what is tested run alone.
+# one thread), then the tests where processes and networks are what is tested, two files at a
+# time: they spend most of their time waiting for daemons (startup, timeouts, generations of a
+# few tokens), and a file keeps its swarm fixtures on one worker (--dist loadfile).
 mypy_log=$(mktemp)
 .venv/bin/mypy >"$mypy_log" 2>&1 &
 mypy_pid=$!
@@ -37,6 +39,6 @@ typed=0
 wait "$mypy_pid" || typed=$?
 cat "$mypy_log"
 slow=0
-"${pytest[@]}" -m "slow or multiprocess or netns" || slow=$?
+"${pytest[@]}" -n 2 --dist loadfile -m "slow or multiprocess or netns" || slow=$?
 echo "peerd tests: fast exit $fast, mypy exit $typed, slow exit $slow"
 [ "$fast" -eq 0 ] && [ "$typed" -eq 0 ] && [ "$slow" -eq 0 ]
