@@ -19,7 +19,8 @@ from blocks.errors import (
 )
 from blocks.families import FAMILIES, Family, family_of
 from blocks.lora import AdapterError, AdapterInfo, adapter_name, read_adapter
-from blocks.memory import block_bytes
+from blocks.memory import block_bytes, cache_bytes_per_block
+from blocks.serving import Serving, ServingError, free_memory, resolve_serving
 from blocks.span import Span, load_span
 from blocks.throughput import Throughput, measure_throughput
 
@@ -34,6 +35,8 @@ __all__ = [
     "GenerationDefaults",
     "MemoryCache",
     "ModelNotFoundError",
+    "Serving",
+    "ServingError",
     "SessionOverflow",
     "Span",
     "SpanSession",
@@ -41,8 +44,10 @@ __all__ = [
     "UnsupportedModelError",
     "adapter_name",
     "block_bytes",
+    "cache_bytes_per_block",
     "check_left_padding",
     "family_of",
+    "free_memory",
     "generation_defaults",
     "load_client_side",
     "load_config",
@@ -51,4 +56,5 @@ __all__ = [
     "model_name",
     "read_adapter",
     "resolve_checkpoint",
+    "resolve_serving",
 ]

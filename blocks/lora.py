@@ -269,7 +269,8 @@ def attach_adapter(
         block, module, which = _parse(tensor_name, family, info.name)
         if start <= block < end:
             mine.setdefault((block, module), {})[which] = tensor_name
-    first = next(iter(layers[0].parameters()))
+    # The serving dtype: a quantized block's first parameter may hold int8 or 4-bit codes.
+    first = next(p for p in layers[0].parameters() if p.is_floating_point())
     with safe_open(info.path / WEIGHTS_FILE, framework="pt", device=str(first.device)) as f:
         for (block, module), pair in sorted(mine.items()):
             if set(pair) != {"A", "B"}:

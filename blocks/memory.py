@@ -14,15 +14,32 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from blocks.families import family_of, prepare_config
+from blocks.quant import quantized_bytes
 
 
-def block_bytes(config: PretrainedConfig, dtype: torch.dtype) -> int:
+def block_bytes(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none") -> int:
     """Bytes of one block's parameters and buffers, the parameters in `dtype` (as load_span
-    converts them) and the buffers in the dtype the layer makes them with."""
+    converts them) and the buffers in the dtype the layer makes them with. With `quant` int8 or
+    nf4, each nn.Linear counts as its bitsandbytes twin holds it (blocks.quant): codes, scales
+    and bias; what is not a linear layer (norms, Mixtral's fused experts) stays in `dtype`."""
     layer = _meta_block(config)
-    weights = sum(p.numel() for p in layer.parameters()) * _element_size(dtype)
+    quantized: set[int] = set()
+    linears = 0
+    if quant != "none":
+        for module in layer.modules():
+            if type(module) is nn.Linear:
+                linears += quantized_bytes(module, quant, dtype)
+                quantized.update(id(p) for p in module.parameters())
+    rest = sum(p.numel() for p in layer.parameters() if id(p) not in quantized)
     buffers = sum(b.numel() * b.element_size() for b in layer.buffers())
-    return weights + buffers
+    return linears + rest * _element_size(dtype) + buffers
+
+
+def cache_bytes_per_block(config: PretrainedConfig, dtype: torch.dtype, cache_tokens: int) -> int:
+    """Keys and values of `cache_tokens` positions in one block, in `dtype` (the serving dtype:
+    the KV cache is made from the layer's own keys and values, blocks.cache)."""
+    width = family_of(config).kv_width(config)
+    return 2 * width * cache_tokens * _element_size(dtype)
 
 
 def _meta_block(config: PretrainedConfig) -> nn.Module:

@@ -15,6 +15,7 @@ from blocks.cache import KVCache, SpanSession
 from blocks.checkpoint import CheckpointTensors, load_config, model_name, resolve_checkpoint
 from blocks.families import Family, RowMasks, family_of, prepare_config
 from blocks.lora import AdapterError, AdapterInfo, attach_adapter, read_adapter, use_adapter
+from blocks.quant import held_bytes, quantize_linears
 from wire.peer_protocol import check_prompts
 
 # Prompts longer than this go through the span in pieces, so activation memory stays bounded.
@@ -49,7 +50,18 @@ class Span(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
+        """The serving dtype: activations, KV cache and unquantized weights (a quantized span's
+        linear weights are int8 or packed 4-bit codes, so the first floating parameter says)."""
+        return next(p.dtype for p in self.parameters() if p.is_floating_point())
+
+    @property
+    def quant(self) -> str:
+        """none, int8 or nf4 (blocks.quant): how the linear weights of the blocks are held."""
+        for module in self.layers.modules():
+            kind = type(module).__name__
+            if kind in ("Linear8bitLt", "Linear4bit"):
+                return "int8" if kind == "Linear8bitLt" else "nf4"
+        return "none"
 
     @property
     def device(self) -> torch.device:
@@ -64,7 +76,8 @@ class Span(nn.Module):
 
     @property
     def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.parameters())
+        """Bytes the blocks' weights hold, quantization scales included (blocks.quant)."""
+        return held_bytes(self.layers)
 
     def sub_span(self, start: int, end: int) -> Span:
         """Blocks start..end-1 of this span as a Span of their own, sharing the weights (for a
@@ -317,12 +330,15 @@ def load_span(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     adapters: Sequence[str | Path | AdapterInfo] = (),
+    quant: str = "none",
 ) -> Span:
     """Blocks start..end-1 of `checkpoint` ("default" or a directory), reading only their tensors.
 
     Layers are built on the meta device and take the tensors read from safetensors as they are
     (assign=True), so memory grows by the span's weights and nothing else. `adapters` are PEFT
     LoRA directories (or their read_adapter infos): only their matrices for these blocks load.
+    `quant` int8 or nf4 quantizes each block's linear layers as it loads (blocks.quant), so
+    memory peaks at one block in `dtype` beside the quantized others.
     """
     path = resolve_checkpoint(checkpoint)
     config = load_config(path)
@@ -340,11 +356,13 @@ def load_span(
         with torch.device("meta"):
             layer = family.layer_class(config, layer_idx=index)
         prefix = family.block_prefix(tensors.file_of, index)
-        weights = tensors.read(tensors.names_with_prefix(prefix), dtype, device)
+        # A quantized block is read to the CPU and quantized on its way to `device`.
+        read_to = device if quant == "none" else "cpu"
+        weights = tensors.read(tensors.names_with_prefix(prefix), dtype, read_to)
         weights = {name.removeprefix(prefix): tensor for name, tensor in weights.items()}
         layer.load_state_dict(family.convert_block(weights, config), strict=True, assign=True)
         _check_materialized(layer, f"block {index}")
-        layers.append(layer)
+        layers.append(quantize_linears(layer, quant, dtype, str(device)).to(device))
     rotary = family.make_rotary(config)
     if rotary is not None:
         rotary = rotary.to(device)

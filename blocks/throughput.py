@@ -1,5 +1,5 @@
 """How fast a span runs on this machine: tokens/s of one decode step and of a 512-token prefill,
-measured once per (model, span, device, dtype) and kept as JSON in the user cache."""
+measured once per (model, span, device, dtype, quant) and kept as JSON in the user cache."""
 
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def measure_throughput(
     """Decode and prefill tokens/s of `span` (plus embeddings and LM head when `client` is given,
     i.e. a whole local model when the span covers every block).
 
-    With use_disk_cache, a figure measured earlier for the same model, span, device, dtype and
-    thread count is returned instead of measuring again; a new one is stored.
+    With use_disk_cache, a figure measured earlier for the same model, span, device, dtype,
+    quantization and thread count is returned instead of measuring again; a new one is stored.
     """
     path = _record_path(span, client, cache_dir or user_cache_dir() / "throughput")
     threads = torch.get_num_threads()
@@ -87,7 +87,7 @@ def _step_function(span: Span, client: ClientSide | None) -> Callable[[int, Span
 
     def through_model(n: int, session: SpanSession) -> None:
         assert client is not None
-        ids = torch.randint(0, span.config.vocab_size, (1, n))
+        ids = torch.randint(0, span.config.vocab_size, (1, n), device=span.device)
         with torch.inference_mode():
             hidden = span(client.embed(ids), session)
             client.logits(hidden[:, -1:])
@@ -97,7 +97,7 @@ def _step_function(span: Span, client: ClientSide | None) -> Callable[[int, Span
 
 def _record_path(span: Span, client: ClientSide | None, cache_dir: Path) -> Path:
     what = "model" if client is not None else "span"
-    key = f"{span.model}_{what}_{span.start}-{span.end}_{span.device}_{span.dtype}"
+    key = f"{span.model}_{what}_{span.start}-{span.end}_{span.device}_{span.dtype}_{span.quant}"
     return cache_dir / (re.sub(r"[^A-Za-z0-9._-]+", "-", key) + ".json")
 
 

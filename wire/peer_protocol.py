@@ -50,6 +50,9 @@ MAX_PUBLIC_NAME_LEN = 64
 """A server's public name (`peerd start --public-name`): a short label people read in status pages;
 printable text only (it ends up in terminals and web pages)."""
 
+MAX_SERVING_LEN = 16
+"""A server's device, dtype or quant name ("cuda:15", "bfloat16", "nf4"): short names only."""
+
 MAX_BLOCKS = 4096
 """Upper bound on a block index; the deepest open models have ~130 transformer blocks."""
 
@@ -143,11 +146,22 @@ class ServerInfo(_Span):
     public_name: str = spec(default="", max_len=MAX_PUBLIC_NAME_LEN)
     """What the server's operator calls it (`peerd start --public-name`, as Petals' public_name):
     shown by `peerd status` and the gateway's /swarm page; "" if none."""
+    device: str = spec(default="", max_len=MAX_SERVING_LEN)
+    """Where the blocks run: "cpu", "cuda:0", "mps" (`peerd start --device`); "" if not said."""
+    dtype: str = spec(default="", max_len=MAX_SERVING_LEN)
+    """The serving dtype of activations and KV cache: float32, bfloat16 or float16 (what the
+    server's replies carry by default); "" if not said."""
+    quant: str = spec(default="", max_len=MAX_SERVING_LEN)
+    """Weight quantization of the blocks: none, int8 or nf4 (`peerd start --quant`)."""
 
     def check(self) -> None:
         super().check()
         if not self.public_name.isprintable():
             raise ValueError("public_name must be printable text (no control characters)")
+        for name in ("device", "dtype", "quant"):
+            value = getattr(self, name)
+            if not all(c.isalnum() or c in ":_-." for c in value):
+                raise ValueError(f"{name} must be a name like cuda:0 or bfloat16, got {value!r}")
 
 
 @record

@@ -96,6 +96,19 @@ CLIENT_MODELS = typer.Option(
     help="Another model local programs may generate with when the swarm serves it: 'default' "
     "or a checkpoint dir (repeatable; `peerd generate --model NAME`).",
 )
+DEVICE = typer.Option(
+    "cpu",
+    help="Where blocks, KV cache and client side run: auto (a GPU if any), cpu, cuda, cuda:N "
+    "or mps.",
+)
+DTYPE = typer.Option(
+    "float32",
+    help="Serving dtype of weights, activations and KV cache: auto (half precision on a GPU, "
+    "float32 on a CPU), float32, bfloat16 or float16.",
+)
+QUANT = typer.Option(
+    "none", help="Weight quantization of the served blocks (bitsandbytes): none, int8 or nf4."
+)
 REACHABILITY = typer.Option(
     "auto", help="auto (peers dial us back: AutoNAT), public, or private (behind NAT: use relays)."
 )
@@ -125,6 +138,9 @@ def start(
     adapters: list[Path] = ADAPTERS,
     verify_fraction: float = VERIFY_FRACTION,
     batching: bool = BATCHING,
+    device: str = DEVICE,
+    dtype: str = DTYPE,
+    quant: str = QUANT,
     reachability: str = REACHABILITY,
     announce_maddrs: list[str] = ANNOUNCE_MADDRS,
     public_ip: str | None = PUBLIC_IP,
@@ -176,7 +192,20 @@ def _daemon_config(flags: dict[str, Any]) -> DaemonConfig:
         flags["blocks"] = None  # serve nothing: a pure client of the swarm
     for many in ("initial_peers", "host_maddrs", "adapters", "announce_maddrs", "client_models"):
         flags[many] = list(flags[many])
+    flags["serving"] = _serving(flags.pop("device"), flags.pop("dtype"), flags.pop("quant"))
     return DaemonConfig(**flags)
+
+
+def _serving(device: str, dtype: str, quant: str) -> Any:
+    """--device, --dtype and --quant resolved on this machine (blocks.serving), or the flag
+    to change and why."""
+    import blocks
+
+    try:
+        return blocks.resolve_serving(device, dtype, quant)
+    except blocks.ServingError as e:
+        flag, _, why = str(e).partition(": ")
+        raise typer.BadParameter(why, param_hint=flag.split(" ")[0]) from None
 
 
 def _check_public_name(name: str) -> None:

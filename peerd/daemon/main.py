@@ -16,6 +16,7 @@ import trio
 
 import blocks
 import wire
+from blocks.serving import Serving
 from peerd import __version__
 from peerd.daemon.api_connection import sole_cause
 from peerd.daemon.local_api import LocalApi, build_status
@@ -104,6 +105,7 @@ class DaemonConfig:
     public_name: str = ""  # what our record calls us in status pages
     # Checkpoints whose client side local programs may use besides `model` (peerd.daemon.models)
     client_models: list[str] = field(default_factory=lambda: ["default"])
+    serving: Serving = field(default_factory=Serving)  # --device --dtype --quant
 
     def listen_addrs(self) -> list[str]:
         return self.host_maddrs or [f"/ip4/0.0.0.0/tcp/{self.port}"]
@@ -143,20 +145,19 @@ def parse_blocks(text: str, num_blocks: int) -> tuple[str, int | None, int | Non
     return ("count", count, None)
 
 
-def available_memory() -> int:
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
 def blocks_to_serve(
-    model_config: PretrainedConfig, budget: int, cache_tokens: int, model: str = "the model"
+    model_config: PretrainedConfig,
+    budget: int,
+    cache_tokens: int,
+    model: str = "the model",
+    serving: blocks.Serving | None = None,
 ) -> int:
-    """How many blocks a `--blocks auto` server takes on: each with its fp32 weights (measured
-    from the family's own layer, so every expert of a mixture-of-experts block counts) and a KV
-    cache of `cache_tokens`, within `budget` bytes."""
-    weights = blocks.block_bytes(model_config, torch.float32)
-    cache = _cache_bytes_per_block(model_config, cache_tokens)
+    """How many blocks a `--blocks auto` server takes on: each with its weights in the serving
+    dtype and quantization (measured from the family's own layer, so every expert of a
+    mixture-of-experts block counts) and a KV cache of `cache_tokens`, within `budget` bytes."""
+    serving = serving or blocks.Serving()
+    weights = blocks.block_bytes(model_config, serving.dtype, serving.quant)
+    cache = blocks.cache_bytes_per_block(model_config, serving.dtype, cache_tokens)
     count = blocks_that_fit(budget, weights, cache, int(model_config.num_hidden_layers))
     if count < 1:
         raise DaemonError(
@@ -165,15 +166,6 @@ def blocks_to_serve(
             "--memory-budget or lower --cache-tokens"
         )
     return count
-
-
-def _cache_bytes_per_block(model_config: PretrainedConfig, cache_tokens: int) -> int:
-    """fp32 keys and values of `cache_tokens` positions in one block."""
-    width = int(model_config.hidden_size)
-    heads = int(model_config.num_attention_heads)
-    kv_heads = int(getattr(model_config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(model_config, "head_dim", None) or width // heads)
-    return 4 * 2 * kv_heads * head_dim * cache_tokens
 
 
 class Daemon:
@@ -243,7 +235,9 @@ class Daemon:
             )
             self.swarm.verify_fraction = config.verify_fraction
             ttl = 2 * config.refresh_period + REFRESH_SLACK_S
-            self.models = SwarmModels(self.swarm, self.known_models, record_ttl=ttl)
+            self.models = SwarmModels(
+                self.swarm, self.known_models, record_ttl=ttl, serving=config.serving
+            )
             self.models.hear_joins_and_leaves()
             for text in config.initial_peers:
                 await self._join(text)
@@ -340,8 +334,9 @@ class Daemon:
 
     async def _load_and_go_online(self, start: int, end: int) -> None:
         assert self.server is not None
+        s = self.config.serving
         span = await trio.to_thread.run_sync(
-            blocks.load_span, self.checkpoint, start, end, torch.float32, "cpu", self.adapters
+            blocks.load_span, self.checkpoint, start, end, s.dtype, s.device, self.adapters, s.quant
         )
         cache = blocks.MemoryCache(budget_tokens=self.config.cache_tokens)
         throughput = await self._throughput(span)
@@ -380,8 +375,11 @@ class Daemon:
 
     def _blocks_that_fit(self) -> int:
         config = self.config
-        budget = config.memory_budget or int(available_memory() * AUTO_MEMORY_FRACTION)
-        return blocks_to_serve(self.model_config, budget, config.cache_tokens, self.model)
+        device = config.serving.device  # free GPU memory on CUDA, else a share of free RAM
+        budget = config.memory_budget or blocks.free_memory(device, AUTO_MEMORY_FRACTION)
+        return blocks_to_serve(
+            self.model_config, budget, config.cache_tokens, self.model, config.serving
+        )
 
     async def _throughput(self, span: blocks.Span) -> float:
         if self.config.throughput != "auto":

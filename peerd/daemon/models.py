@@ -70,7 +70,10 @@ class SwarmModels:
         checkpoints: dict[str, str],
         *,
         record_ttl: float,
+        serving: blocks.Serving | None = None,
     ) -> None:
+        # The client sides (embeddings, LM head) run on the daemon's --device in its --dtype.
+        self.serving = serving or blocks.Serving()
         self.primary = primary.model
         self.views: dict[str, SwarmView] = {primary.model: primary}
         self.checkpoints = checkpoints  # model name -> checkpoint (known_checkpoints)
@@ -220,7 +223,9 @@ class SwarmModels:
             if (generator := self._generators.get(model)) is None:
                 try:
                     path = await self._resolve(model)
-                    client = await trio.to_thread.run_sync(blocks.load_client_side, path)
+                    on = self.serving
+                    load = blocks.load_client_side
+                    client = await trio.to_thread.run_sync(load, path, on.dtype, on.device)
                 except (OSError, ValueError, blocks.BlocksError) as e:
                     raise ApiError(
                         wire.ErrorCode.UNSUPPORTED,

@@ -179,6 +179,8 @@ def format_status(status: wire.StatusResponse) -> str:
             f"serving blocks {s.start}:{s.end} of {s.model} ({s.state}), "
             f"{status.steps_served} steps, {status.tokens_served} tokens served"
         )
+        if s.device:
+            lines.append(f"on {runs_on(s)}")
         if s.adapters:
             lines.append(f"adapters: {', '.join(s.adapters)}")
     if not status.swarm:
@@ -195,7 +197,7 @@ def format_status(status: wire.StatusResponse) -> str:
     )
     header = (
         f"{'peer':<20} {'span':>7} {'state':<8} {'tok/s':>7} {'rtt ms':>7} {'link':<8} "
-        f"{'free cache':>10} adapters"
+        f"{'free cache':>10} {'runs on':<20} adapters"
     )
     lines += ["", header]
     rtts = list(status.rtts) + [-1.0] * (len(status.swarm) - len(status.rtts))
@@ -206,7 +208,7 @@ def format_status(status: wire.StatusResponse) -> str:
         lines.append(
             f"...{info.peer_id[-16:]:<17} {info.start:>3}:{info.end:<3} {info.state:<8} "
             f"{info.throughput:>7.1f} {shown_rtt:>7} {link:<8} {info.free_cache_tokens:>10} "
-            f"{','.join(info.adapters) or '-'}"
+            f"{runs_on(info):<20} {','.join(info.adapters) or '-'}"
         )
     return "\n".join(lines + _addresses(status) + models_lines(status))
 
@@ -240,6 +242,13 @@ def _addresses(status: wire.StatusResponse) -> list[str]:
             name = f" ({info.public_name})" if info.public_name else ""
             lines.append(f"  ...{info.peer_id[-16:]}{name}: {' '.join(info.addrs) or '-'}")
     return lines
+
+
+def runs_on(info: wire.ServerInfo) -> str:
+    """Device, dtype and quantization of a server, e.g. "cuda:0 bfloat16 nf4" ("-": not said,
+    an older server)."""
+    quant = f" {info.quant}" if info.quant not in ("", "none") else ""
+    return f"{info.device} {info.dtype}{quant}" if info.device else "-"
 
 
 def status_table(status: wire.StatusResponse) -> Any:
@@ -277,7 +286,8 @@ def status_table(status: wire.StatusResponse) -> Any:
     table = Table(box=None, pad_edge=False, header_style="bold")
     for name, justify in [("peer", "left"), ("span", "right"), ("state", "left"),
                           ("tok/s", "right"), ("rtt ms", "right"), ("link", "left"),
-                          ("free cache", "right"), ("adapters", "left")]:  # fmt: skip
+                          ("free cache", "right"), ("runs on", "left"),
+                          ("adapters", "left")]:  # fmt: skip
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     rtts = list(status.rtts) + [-1.0] * (len(status.swarm) - len(status.rtts))
     state_style = {"online": "green", "joining": "yellow", "draining": "magenta"}
@@ -291,6 +301,7 @@ def status_table(status: wire.StatusResponse) -> Any:
             f"{rtt * 1000:.1f}" if rtt >= 0 else "-",
             link,
             str(info.free_cache_tokens),
+            runs_on(info),
             ", ".join(info.adapters) or "-",
         )
     lines = _addresses(status) + models_lines(status)

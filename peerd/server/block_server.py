@@ -198,7 +198,15 @@ class BlockServer:
             public_name=self.public_name,
             updated_at=now,
             expires_at=now + self.record_ttl,
+            **self._serving_fields(),
         )
+
+    def _serving_fields(self) -> dict[str, str]:
+        """The loaded span's device, dtype and quantization for the record (none while joining)."""
+        if self.span is None:
+            return {}
+        dtype = str(self.span.dtype).removeprefix("torch.")
+        return {"device": str(self.span.device), "dtype": dtype, "quant": self.span.quant}
 
     def _free_cache_tokens(self) -> int:
         """Free cache, plus what lapsed leases would give up for a waiting request, less what the
