@@ -112,6 +112,11 @@ QUANT = typer.Option(
 REACHABILITY = typer.Option(
     "auto", help="auto (peers dial us back: AutoNAT), public, or private (behind NAT: use relays)."
 )
+PRIORITY = typer.Option(
+    "standing",
+    help="When loaded, serve first: standing (peers that serve this model, takers keep 20%) "
+    "or fifo (everyone alike). docs/swarm.md#standing",
+)
 
 
 def start(
@@ -146,6 +151,7 @@ def start(
     public_ip: str | None = PUBLIC_IP,
     public_name: str = PUBLIC_NAME,
     client_models: list[str] = CLIENT_MODELS,
+    priority: str = PRIORITY,
 ) -> None:
     """Serve blocks of a model to the swarm and route generations for local clients."""
     from peerd.daemon.main import DaemonError, configure_logging, run
@@ -187,6 +193,10 @@ def _daemon_config(flags: dict[str, Any]) -> DaemonConfig:
         hint = "--public-ip" if "--public-ip" in str(e) else "--announce-maddrs"
         raise typer.BadParameter(str(e).split(": ", 1)[1], param_hint=hint) from None
     _check_public_name(flags["public_name"])
+    if flags["priority"] not in ("standing", "fifo"):
+        raise typer.BadParameter(
+            f"{flags['priority']!r}: expected standing or fifo", param_hint="--priority"
+        )
     del flags["log_level"]  # the process's, not the daemon's
     if flags["blocks"] == "none":
         flags["blocks"] = None  # serve nothing: a pure client of the swarm

@@ -19,6 +19,7 @@ import wire
 from blocks.serving import Serving
 from peerd import __version__
 from peerd.daemon.api_connection import sole_cause
+from peerd.daemon.contributions import watch_standing
 from peerd.daemon.local_api import LocalApi, build_status
 from peerd.daemon.logs import configure_logging as configure_logging
 from peerd.daemon.models import ModelSetupError, SwarmModels, known_checkpoints
@@ -99,6 +100,7 @@ class DaemonConfig:
     # spot-check this fraction of our sessions' steps (peerd.session.verify)
     verify_fraction: float = 0.0
     batching: bool = True  # merge concurrent steps of different sessions into one forward
+    priority: str = "standing"  # who goes first when loaded: standing or fifo (server.priority)
     # What peers are told to dial (peerd.node.addresses): replaces our addresses / goes first.
     announce_maddrs: list[str] = field(default_factory=list)
     public_ip: str | None = None
@@ -319,8 +321,10 @@ class Daemon:
             batching=config.batching,
             swarm_name=config.swarm_name,
             public_name=config.public_name,
+            priority=config.priority,
         )
         self.server = server
+        nursery.start_soon(watch_standing, server.standing, self.swarm)
         self.swarm.local_server = server
         self.node.host.set_stream_handler(INFO_PROTOCOL, server.handle_info)
         # Announce while joining, so servers starting after us pick other blocks.

@@ -17,6 +17,10 @@ sessions are ended (`lease_expired`), the idle ones first (longest idle first), 
 whose charge (tokens reserved x seconds held) is largest, only as many as the request needs.
 Every session in the cache was opened before the head request arrived (the queue is FIFO), so
 that request waits at most `lease_term_s` for its tokens, whoever holds them.
+
+With a `Priority` (peerd.server.priority, `peerd start --priority standing`) the head of the
+queue is the first waiter in its order instead: contributors' requests before takers', takers
+keeping their guaranteed share of the cache tokens admitted, so a taker's wait is bounded too.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import trio
 
 import wire
 from blocks import CacheFull, MemoryCache, SpanSession
+from peerd.server.priority import Priority
 
 # The longest a request may wait for cache, whatever its client asks: a queued request holds a
 # stream and a slot, and a client that waits longer is better off trying another server.
@@ -115,7 +120,9 @@ class Admission:
         max_cache_share: float = MAX_CACHE_SHARE,
         max_training_per_peer: int = MAX_TRAINING_PER_PEER,
         max_training_inflight: int = MAX_TRAINING_INFLIGHT,
+        priority: Priority | None = None,
     ) -> None:
+        self.priority = priority  # who is at the head of the queue (None: first come)
         self.max_sessions_per_peer = max_sessions_per_peer
         self.max_inflight_bytes_per_peer = max_inflight_bytes_per_peer
         self.max_queued = max_queued
@@ -353,7 +360,7 @@ class Admission:
             self._check_share(peer, asked, cache.budget_tokens)
         if not self._queue:
             try:
-                return cache.open_session(batch_size, max_length, left_padding)
+                return self._open(cache, peer, batch_size, max_length, left_padding)
             except CacheFull:
                 pass
         if len(self._queue) >= self.max_queued:
@@ -368,9 +375,9 @@ class Admission:
             with trio.move_on_after(wait_s):
                 while True:
                     freed = self._freed
-                    if self._queue[0] is waiter:
+                    if self._head() is waiter:
                         try:
-                            return cache.open_session(batch_size, max_length, left_padding)
+                            return self._open(cache, peer, batch_size, max_length, left_padding)
                         except CacheFull:
                             self._reclaim(cache, asked)
                     # Wake when a session closes or the next lease lapses.
@@ -388,6 +395,27 @@ class Admission:
             f" x max_length {max_length}): try another server, a shorter max_length, or a "
             "longer wait",
         )
+
+    def _head(self) -> _Waiter:
+        """The waiter whose turn it is: the first one, or the first in the priority's order."""
+        if self.priority is None:
+            return self._queue[0]
+        return self.priority.order(self._queue, lambda waiter: waiter.peer)[0]
+
+    def _open(
+        self,
+        cache: MemoryCache,
+        peer: str,
+        batch_size: int,
+        max_length: int,
+        left_padding: tuple[int, ...] | None,
+    ) -> SpanSession:
+        """A session from `cache` (CacheFull if it does not fit), counted for `peer` in the
+        priority's shares."""
+        session = cache.open_session(batch_size, max_length, left_padding)
+        if self.priority is not None:
+            self.priority.account(peer, session.tokens)
+        return session
 
 
 def _add(counts: dict[str, int], peer: str, delta: int) -> None:

@@ -8,6 +8,8 @@ one round takes them together: the short ones (decode steps, small prefills) of 
 into a single forward, or one piece of a long prefill on its own. Turns go to the client served
 least recently (then to the oldest step), so a client with a long prompt or many sessions cannot
 starve the others: a long prefill runs a chunk per turn, and decode rounds run between its chunks.
+With a `Priority` (peerd.server.priority), that fair order is then rearranged by standing:
+contributors' steps first, takers keeping their guaranteed share of the tokens run.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import trio
 
 from blocks import Span, SpanSession
 from peerd.server.compute import PRIORITY_INFERENCE, ComputeQueue
+from peerd.server.priority import Priority
 
 # Most rows one merged forward takes; the rest wait for the next round (keeps a round short).
 MAX_BATCH_ROWS = 32
@@ -107,10 +110,16 @@ class StepBatcher:
     forward, in the same fair order, as a baseline)."""
 
     def __init__(
-        self, compute: ComputeQueue, *, enabled: bool = True, max_rows: int = MAX_BATCH_ROWS
+        self,
+        compute: ComputeQueue,
+        *,
+        enabled: bool = True,
+        max_rows: int = MAX_BATCH_ROWS,
+        priority: Priority | None = None,
     ) -> None:
         self.compute = compute
         self.enabled = enabled
+        self.priority = priority  # who goes first by standing (None: the fair order alone)
         self.max_rows = max_rows
         self.counters = BatchCounters()
         self._waiting: list[_Step] = []
@@ -214,6 +223,8 @@ class StepBatcher:
             return []
         turn = next(self._rounds)
         queue = sorted(self._waiting, key=lambda s: (self._last_turn.get(s.owner, 0), s.order))
+        if self.priority is not None:
+            queue = self.priority.order(queue, lambda s: s.owner)
         head = queue[0]
         batch = [head]
         if self.enabled and head.left <= MERGE_MAX_TOKENS:
@@ -236,9 +247,13 @@ class StepBatcher:
                     tokens += step.rows * step.left
                     longest = max(longest, step.left)
                     sessions.add(id(step.session))
+        alone = len(batch) == 1 and head.left > MERGE_MAX_TOKENS
         for step in batch:
             self._waiting.remove(step)
             self._last_turn[step.owner] = turn
+            if self.priority is not None:
+                tokens = min(step.left, step.span.chunk_tokens) if alone else step.left
+                self.priority.account(step.owner, step.rows * tokens)
             recent = self._recent.get(id(step.session))
             if recent is not None:  # alone (0): no partners to wait for next time
                 recent.cohort = turn if len(batch) > 1 else 0

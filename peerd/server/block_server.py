@@ -39,8 +39,10 @@ from peerd.server.batching import StepBatcher
 from peerd.server.boundary import OPEN_TIMEOUT_S, stream_boundary
 from peerd.server.compute import ComputeQueue
 from peerd.server.local_session import LocalSession
+from peerd.server.priority import Priority
 from peerd.server.push import Pusher, PushReceiver
 from peerd.server.sessions import InferenceHandler
+from peerd.server.standing import Standing
 from routing.records import ServerRecord, ServerState, record_to_info
 from wire.conversation import MAX_PUSHED_QUEUED, ServerInference
 from wire.peer_protocol import DEFAULT_SESSIONS_PER_PEER
@@ -120,7 +122,11 @@ class BlockServer:
         batching: bool = True,
         swarm_name: str = "",
         public_name: str = "",
+        priority: str = "standing",
     ) -> None:
+        # What each requesting peer contributes to this model (fed by the daemon's swarm view),
+        # and who goes first by it when loaded (peerd.server.priority; fifo: counted only).
+        self.standing = Standing()
         self.model = model
         self.swarm_name = swarm_name
         self.public_name = public_name
@@ -128,7 +134,7 @@ class BlockServer:
         self._start, self._end = start, end
         self.compute = compute
         # Concurrent steps of different sessions share a forward (batching=False: one each).
-        self.batcher = StepBatcher(compute, enabled=batching)
+        self.batcher = StepBatcher(compute, enabled=batching, priority=self._priority(priority))
         self.peer_id = peer_id
         self.addrs = addrs
         self.limits = limits or ServerLimits()
@@ -147,6 +153,7 @@ class BlockServer:
             max_cache_share=self.limits.max_cache_share,
             max_training_per_peer=self.limits.max_training_per_peer,
             max_training_inflight=self.limits.max_training_inflight,
+            priority=self._priority(priority),
         )
         self.training_pace = training.TrainingPace()  # how fast training slices run here
         self._subspans: dict[tuple[int, int], Span] = {}
@@ -156,6 +163,11 @@ class BlockServer:
         self._corrupt_fraction = float(os.environ.get(TEST_CORRUPT_ENV) or 0.0)
         if self._corrupt_fraction:
             log.warning("%s is set: this server returns WRONG results", TEST_CORRUPT_ENV)
+
+    def _priority(self, mode: str) -> Priority:
+        if mode not in ("standing", "fifo"):
+            raise ValueError(f"priority must be 'standing' or 'fifo', not {mode!r}")
+        return Priority(self.standing, enabled=mode == "standing")
 
     def go_online(self, span: Span, cache: MemoryCache, throughput: float) -> None:
         """Start taking sessions: the span is loaded and its speed known."""
