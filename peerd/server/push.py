@@ -71,6 +71,7 @@ class Pusher:
             session_id=target.session_id,
             step_id=message.step_id,
             hidden_states=output,
+            start_position=message.start_position,  # a rollback applies on every hop alike
             next_hops=message.next_hops[1:],
             push_token=target.push_token,  # the client gave it to us alone, for this session
         )

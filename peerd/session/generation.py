@@ -18,14 +18,33 @@ from typing import Any
 
 import torch
 
-import wire
 from blocks import ClientSide, GenerationDefaults
 from peerd.session.coalesce import Coalescer
+from peerd.session.drafting import Drafter, DraftModel, PromptLookup, load_draft_model
 from peerd.session.inference import InferenceSession
+from peerd.session.sampling import (
+    SamplingParams,
+    apply_repetition_penalty,
+    logits_to_probs,
+    sample,
+    sampling_generator,
+)
+from peerd.session.speculative import Speculation, SpeculativeDecoder, Tally, policy_for
 from peerd.session.swarm import SwarmView
 
-SamplingParams = wire.Sampling
-"""How to pick the next token: the local API's own record (validated on decode), defaults greedy."""
+__all__ = [
+    "Generator",
+    "SamplingParams",
+    "Speculation",
+    "Tally",
+    "apply_repetition_penalty",
+    "encode_prompt",
+    "left_pad",
+    "logits_to_probs",
+    "sample",
+    "sampling_generator",
+    "with_defaults",
+]
 
 
 def with_defaults(params: SamplingParams, defaults: GenerationDefaults) -> SamplingParams:
@@ -44,59 +63,6 @@ def with_defaults(params: SamplingParams, defaults: GenerationDefaults) -> Sampl
     if params.top_p is None and defaults.top_p is not None:
         params = dataclasses.replace(params, top_p=defaults.top_p)
     return params
-
-
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[batch, vocab] logits -> probabilities after temperature, top-k and top-p."""
-    logits = logits / params.temperature
-    if params.top_k:
-        kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p is not None and params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        # Drop a token when the tokens before it already reach top_p (the first always stays).
-        drop_sorted = cumulative - sorted_logits.softmax(dim=-1) >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(dim=-1)
-
-
-def apply_repetition_penalty(
-    logits: torch.Tensor, token_ids: torch.Tensor, penalty: float
-) -> torch.Tensor:
-    """CTRL-style penalty (as transformers applies it) on tokens already in the sequence."""
-    if penalty == 1.0:
-        return logits
-    seen = torch.gather(logits, -1, token_ids)
-    seen = torch.where(seen < 0, seen * penalty, seen / penalty)
-    return logits.scatter(-1, token_ids, seen)
-
-
-def sample(
-    logits: torch.Tensor,
-    token_ids: torch.Tensor,
-    params: SamplingParams,
-    generator: torch.Generator,
-) -> torch.Tensor:
-    """[batch, vocab] logits of the last position -> [batch, 1] next token ids."""
-    logits = apply_repetition_penalty(logits.float(), token_ids, params.repetition_penalty)
-    if not params.do_sample:
-        return logits.argmax(dim=-1, keepdim=True)
-    probs = logits_to_probs(logits, params)
-    return torch.multinomial(probs, 1, generator=generator)
-
-
-def sampling_generator(seed: int | None) -> torch.Generator:
-    """The random source of one generation: `seed` makes it reproducible; without one it starts
-    from fresh OS entropy (a bare torch.Generator() always starts from the same default seed, so
-    every unseeded generation would sample the same text)."""
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -163,6 +129,8 @@ class Generator:
         eos_token_ids: Sequence[int] = (),
         adapter: str | None = None,
         left_padding: tuple[int, ...] = (),
+        speculate: Speculation | None = None,
+        tally: Tally | None = None,
     ) -> AsyncIterator[torch.Tensor]:
         """Yield [batch, 1] token ids one step at a time (stops early when every row hit EOS;
         a row that did keeps being fed its samples, which no other row sees).
@@ -171,6 +139,11 @@ class Generator:
         otherwise a session sized for prompt + max_new_tokens is opened and closed here, with
         LoRA `adapter` on every hop when given, and `left_padding` (per row: padding positions at
         the start of `input_ids`).
+
+        `speculate` (a batch of one only; larger batches decode plainly): drafts checked by the
+        swarm several tokens a pass, the same tokens (greedy) or the same distribution
+        (sampling) as plain decoding (peerd.session.speculative); `tally`, when given, counts
+        its passes and drafts.
         """
         params = with_defaults(params or SamplingParams(), self.client.generation_defaults)
         generator = sampling_generator(params.seed)
@@ -185,10 +158,33 @@ class Generator:
                         left_padding=left_padding,
                     )
                 )
-            async for token in self._decode(
-                session, input_ids, max_new_tokens, params, generator, eos_token_ids
-            ):
-                yield token
+            if speculate is not None and speculate.on and input_ids.shape[0] == 1:
+                decoder = self.speculative_decoder(speculate, params, generator)
+                decoder.tally = tally if tally is not None else decoder.tally
+                tokens = decoder.decode(session, input_ids, max_new_tokens, eos_token_ids)
+            else:
+                tokens = self._decode(
+                    session, input_ids, max_new_tokens, params, generator, eos_token_ids
+                )
+            async with contextlib.aclosing(tokens):
+                async for token in tokens:
+                    yield token
+
+    def speculative_decoder(
+        self, speculate: Speculation, params: SamplingParams, generator: torch.Generator
+    ) -> SpeculativeDecoder:
+        """A decoder for one generation with the drafter `speculate` names (a draft model is
+        loaded once per path; ValueError saying what to do when it cannot be)."""
+        drafter: Drafter
+        if speculate.mode == "draft":
+            assert speculate.draft_path is not None
+            model = load_draft_model(speculate.draft_path, lambda: self.client.tokenizer)
+            drafter = DraftModel(model, self.client.embeddings.num_embeddings)
+        else:
+            drafter = PromptLookup()
+        return SpeculativeDecoder(
+            self._embed, self.client.logits, drafter, policy_for(speculate), params, generator
+        )
 
     async def _decode(
         self,

@@ -48,8 +48,10 @@ class StepRunner:
         i = 0
         remote = all(isinstance(hop, HopSession) for hop in hops)
         pushing = self.push and self.route.pushing
-        if pushing and rewind is None and remote and len(hops) > 1:
-            i, hidden = await self._push_step(hidden)
+        if pushing and remote and len(hops) > 1:
+            # A rewind rides the push: every server passes the start position on with its
+            # output, so a rollback (speculative decoding's rejected drafts) costs no round trip.
+            i, hidden = await self._push_step(hidden, rewind)
             if i < len(hops):
                 # The chain broke. A server past the break may still have got the push (its
                 # pusher died after sending): starting the relayed step at our position rolls
@@ -79,7 +81,9 @@ class StepRunner:
             i += 1
         return hidden
 
-    async def _push_step(self, hidden: torch.Tensor) -> tuple[int, torch.Tensor]:
+    async def _push_step(
+        self, hidden: torch.Tensor, rewind: int | None = None
+    ) -> tuple[int, torch.Tensor]:
         """Send the step to the first hop naming the rest: each server pushes its output to
         the next and also answers us, so a step costs one pass through the chain and we still
         hold every hop's input for failover. Returns (first hop not done, its input).
@@ -99,7 +103,7 @@ class StepRunner:
             hop.expect(step_id, hidden)
         sent = time.perf_counter()
         try:
-            await hops[0].send_step(hidden, self.codec, step_id, next_hops=chain)
+            await hops[0].send_step(hidden, self.codec, step_id, rewind, next_hops=chain)
         except PEER_FAULTS:
             return 0, hidden  # the relay loop retries hop 0 and replaces it if it is gone
         for i, hop in enumerate(hops):

@@ -1,0 +1,297 @@
+"""Speculative decoding through the swarm: the client proposes a few tokens (a drafter of
+peerd.session.drafting) and the swarm checks them in one pass, so one chain latency can yield
+several tokens.
+
+One pass sends the token not yet in the servers' caches plus k drafts as one multi-token step
+(through the push chain like any step). The logits of its k+1 positions decide, left to right,
+which drafts stand: greedy keeps a draft while it is the argmax, so the output is plain greedy's
+token for token; sampling keeps draft d with probability min(1, p(d)/q(d)) and else samples the
+residual max(p - q, 0) (Leviathan et al. 2023, Chen et al. 2023), so the tokens are distributed
+as plain sampling's; every random draw comes from the generation's seeded generator. A rejected
+draft's keys and values stay in the servers' caches until the next step, whose start position
+rolls every hop back (InferenceSession.rollback: no extra round trip).
+
+`auto` (Adaptive) picks k each pass from the measured acceptance rate and the measured cost of a
+pass (chain latency plus a cost per extra token), and drafts nothing while speculation would not
+pay, probing now and then in case the text turned repetitive.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+import trio
+
+from peerd.session.drafting import Draft, Drafter
+from peerd.session.sampling import SamplingParams, apply_repetition_penalty, logits_to_probs
+
+Mode = Literal["off", "auto", "ngram", "draft"]
+# Most drafts in one pass: k + 1 tokens stay within what a server merges with other sessions'
+# short steps (peerd.server.batching.MERGE_MAX_TOKENS), and a longer guess rarely all stands.
+MAX_DRAFT_TOKENS = 15
+DEFAULT_TOKENS = {"ngram": 8, "draft": 4, "auto": 8}
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """What a request asked for: `--speculate auto|ngram|draft:PATH|off` and, optionally, a
+    fixed number of drafts per pass (prompt_lookup_num_tokens / num_assistant_tokens)."""
+
+    mode: Mode = "off"
+    draft_path: str | None = None
+    num_tokens: int | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+
+def parse_speculate(text: str, num_tokens: int | None = None) -> Speculation:
+    """`auto`, `ngram`, `draft:PATH` or `off` (ValueError saying which are allowed)."""
+    if num_tokens is not None and not 1 <= num_tokens <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"the number of draft tokens must be 1..{MAX_DRAFT_TOKENS}")
+    if text.startswith("draft:") and len(text) > len("draft:"):
+        return Speculation("draft", text[len("draft:") :], num_tokens)
+    if text in ("off", "auto", "ngram"):
+        return Speculation(text, None, num_tokens)  # type: ignore[arg-type]
+    raise ValueError(
+        f"speculate {text!r}: give auto, ngram, draft:PATH (a local checkpoint) or off"
+    )
+
+
+class Policy(Protocol):
+    """How many drafts the next pass carries, and what it learns from each pass."""
+
+    def k(self) -> int: ...
+
+    def record(self, tokens: int, drafts: int, accepted: int, seconds: float | None) -> None: ...
+
+
+@dataclass
+class Fixed:
+    """Always ask for the same number of drafts (`ngram`, `draft:PATH`)."""
+
+    tokens: int
+    passes: int = 0
+    accepted: int = 0
+
+    def k(self) -> int:
+        return self.tokens
+
+    def record(self, tokens: int, drafts: int, accepted: int, seconds: float | None) -> None:
+        self.passes += 1
+        self.accepted += accepted
+
+
+# How fast Adaptive forgets: the weight of the last pass in its estimates.
+DECAY = 0.1
+# While off, one pass in this many drafts a single token to see whether the text changed.
+PROBE_EVERY = 16
+# Before any multi-token pass was timed, an extra token is taken to cost this fraction of a
+# one-token pass (a server's forward of a few tokens costs about as much as one).
+PRIOR_TOKEN_COST = 0.05
+
+
+@dataclass
+class Adaptive:
+    """`auto`: the k that maximises expected tokens per second of a pass, E(k) / T(k), with
+    E(k) = (1 - a^(k+1)) / (1 - a) for acceptance rate a (each draft stands with probability
+    a given the ones before it did) and T(k) = latency + k * token_cost (+ drafting time),
+    latency and token_cost measured from the passes so far. k = 0 turns speculation off."""
+
+    max_k: int = DEFAULT_TOKENS["auto"]
+    successes: float = 1.0  # a prior of one draft in two standing
+    trials: float = 2.0
+    latency: float | None = None  # seconds of a one-token pass
+    token_cost: float | None = None  # seconds each extra token adds to a pass
+    off_passes: int = 0
+    passes: int = 0
+    accepted: int = 0
+
+    @property
+    def rate(self) -> float:
+        return min(self.successes / self.trials, 0.999)
+
+    def k(self) -> int:
+        best = self._best()
+        if best == 0:
+            self.off_passes += 1
+            if self.off_passes % PROBE_EVERY == 0:
+                return 1
+        return best
+
+    def _best(self) -> int:
+        if self.latency is None:
+            return self.max_k  # no timing yet: the first passes find out
+        cost = self.token_cost if self.token_cost is not None else PRIOR_TOKEN_COST * self.latency
+        latency, rate = self.latency, self.rate
+        return max(
+            range(self.max_k + 1), key=lambda k: expected_tokens(rate, k) / (latency + k * cost)
+        )
+
+    def record(self, tokens: int, drafts: int, accepted: int, seconds: float | None) -> None:
+        self.passes += 1
+        self.accepted += accepted
+        if drafts:
+            trials = accepted + (1 if accepted < drafts else 0)
+            self.successes = (1 - DECAY) * self.successes + accepted
+            self.trials = (1 - DECAY) * self.trials + trials
+        if seconds is None:
+            return
+        if tokens == 1:
+            self.latency = _smoothed(self.latency, seconds)
+        elif self.latency is not None:
+            extra = max(seconds - self.latency, 0.0) / (tokens - 1)
+            self.token_cost = _smoothed(self.token_cost, extra)
+        else:  # only multi-token passes so far: take all of it as latency until a plain one
+            self.latency = seconds
+
+
+def expected_tokens(rate: float, k: int) -> float:
+    """Tokens one pass with k drafts yields on average when each draft stands with probability
+    `rate` once the ones before it did (the pass's own token included)."""
+    return sum(rate**i for i in range(k + 1))
+
+
+def _smoothed(old: float | None, new: float) -> float:
+    return new if old is None else (1 - 2 * DECAY) * old + 2 * DECAY * new
+
+
+def policy_for(speculation: Speculation) -> Policy:
+    if speculation.mode == "auto":
+        return Adaptive(max_k=speculation.num_tokens or DEFAULT_TOKENS["auto"])
+    return Fixed(speculation.num_tokens or DEFAULT_TOKENS[speculation.mode])
+
+
+def verify(
+    logits: torch.Tensor,
+    sequence: Sequence[int],
+    draft: Draft,
+    params: SamplingParams,
+    generator: torch.Generator,
+) -> tuple[int, int]:
+    """(how many drafts stand, the token after them). `logits` [len(draft) + 1, vocab]: row i
+    predicts the token after `sequence` + the first i drafts."""
+    drafts = draft.tokens
+    for i in range(len(drafts) + 1):
+        ids = torch.tensor([list(sequence) + drafts[:i]])
+        row = apply_repetition_penalty(logits[i : i + 1].float(), ids, params.repetition_penalty)
+        if not params.do_sample:
+            best = int(row.argmax())
+            if i < len(drafts) and best == drafts[i]:
+                continue
+            return i, best
+        p = logits_to_probs(row, params)[0]
+        if i == len(drafts):
+            return i, int(torch.multinomial(p, 1, generator=generator))
+        token = drafts[i]
+        if draft.probs is None:  # a point mass at the draft
+            q = torch.zeros_like(p)
+            q[token] = 1.0
+        else:
+            q = draft.probs[i].to(p.dtype)
+        if float(torch.rand((), generator=generator)) * float(q[token]) < float(p[token]):
+            continue
+        residual = (p - q).clamp(min=0)
+        if float(residual.sum()) <= 0:  # p == q up to rounding: any rejection is noise
+            residual = p
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    raise AssertionError("unreachable: the last row always returns")
+
+
+class Chain(Protocol):
+    """What speculative decoding needs of an inference session (InferenceSession has it)."""
+
+    position: int
+    max_length: int
+
+    async def step(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def rollback(self, position: int) -> None: ...
+
+
+@dataclass
+class Tally:
+    """What one speculative generation did: passes through the swarm, drafts sent and drafts
+    that stood (tokens / passes is the tokens each chain latency bought)."""
+
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    tokens: int = 0
+
+
+@dataclass
+class SpeculativeDecoder:
+    """Decodes one sequence (batch of one) with drafts checked by `chain` a pass at a time."""
+
+    embed: Callable[[torch.Tensor], torch.Tensor]  # [1, tokens] ids -> [1, tokens, hidden]
+    logits: Callable[[torch.Tensor], torch.Tensor]  # [rows, hidden] -> [rows, vocab] (a thread)
+    drafter: Drafter
+    policy: Policy
+    params: SamplingParams
+    generator: torch.Generator
+    tally: Tally = field(default_factory=Tally)
+
+    async def decode(
+        self,
+        chain: Chain,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        eos_token_ids: Sequence[int],
+    ) -> AsyncIterator[torch.Tensor]:
+        """Yield [1, 1] token ids as plain decoding would. The chain holds, whenever this is
+        suspended at a yield or has finished, every token before the last one yielded (the
+        drafts past it are rolled back), as after plain decoding."""
+        sequence = input_ids[0].tolist()
+        pending = list(sequence)  # tokens not in the servers' caches yet
+        produced = 0
+        consistent: int | None = None
+        try:
+            while produced < max_new_tokens:
+                start = chain.position
+                room = chain.max_length - start - len(pending)
+                k = max(0, min(self.policy.k(), max_new_tokens - produced - 1, room))
+                draft = await self._draft(sequence, k)
+                step = pending + draft.tokens
+                sent = time.perf_counter()
+                hidden = await chain.step(self.embed(torch.tensor([step])))
+                seconds = time.perf_counter() - sent
+                rows = hidden[0, len(pending) - 1 :]
+                accepted, token = await trio.to_thread.run_sync(self._verify, rows, sequence, draft)
+                # The prompt's pass is no measure of a decode pass's cost.
+                timed = seconds if produced > 0 else None
+                self.policy.record(len(step), len(draft.tokens), accepted, timed)
+                self.tally.passes += 1
+                self.tally.drafted += len(draft.tokens)
+                self.tally.accepted += accepted
+                if accepted < len(draft.tokens):
+                    chain.rollback(start + len(pending) + accepted)
+                for i, new in enumerate([*draft.tokens[:accepted], token]):
+                    consistent = start + len(pending) + i
+                    produced += 1
+                    self.tally.tokens += 1
+                    sequence.append(new)
+                    yield torch.tensor([[new]])
+                    if new in eos_token_ids or produced >= max_new_tokens:
+                        return
+                pending = [token]
+        finally:
+            if consistent is not None and chain.position > consistent:
+                chain.rollback(consistent)
+
+    async def _draft(self, sequence: list[int], k: int) -> Draft:
+        if k <= 0:
+            return Draft([])
+        return await trio.to_thread.run_sync(
+            self.drafter.propose, list(sequence), k, self.params, self.generator
+        )
+
+    def _verify(self, rows: torch.Tensor, sequence: list[int], draft: Draft) -> tuple[int, int]:
+        with torch.inference_mode():
+            logits = self.logits(rows)
+        return verify(logits, sequence, draft, self.params, self.generator)
