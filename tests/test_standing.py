@@ -15,8 +15,10 @@ import trio.testing
 import blocks
 from blocks import MemoryCache, SpanSession
 from peerd.daemon.contributions import Contradictions
+from peerd.daemon.metrics import _standing, render
 from peerd.server.admission import Admission
 from peerd.server.batching import StepBatcher
+from peerd.server.block_server import BlockServer
 from peerd.server.compute import ComputeQueue
 from peerd.server.priority import TAKER_SHARE, Priority
 from peerd.server.standing import CONTRADICTION_S, DECAY_S, QUALIFY_S, Standing
@@ -264,3 +266,18 @@ async def test_the_admission_queue_admits_a_contributor_before_an_earlier_taker(
         held.close()
         admission.cache_freed()
     assert order == ["contributor", "taker"]
+
+
+def test_metrics_show_the_share_of_work_given_to_contributors() -> None:
+    server = BlockServer(
+        model=MODEL, start=0, end=1, compute=ComputeQueue(), peer_id="me", addrs=list
+    )
+    server.standing.num_blocks = NUM_BLOCKS
+    server.standing.qualify_s = 0
+    server.standing.saw_serving("C", 10, 1.0)
+    server.batcher.priority.account("C", 30)  # type: ignore[union-attr]
+    server.batcher.priority.account("taker", 10)  # type: ignore[union-attr]
+    text = render(_standing(server))
+    assert 'peerd_contributor_work_share{queue="turns"} 0.75' in text
+    assert 'peerd_priority_work_total{class="taker",queue="turns"} 10' in text
+    assert "peerd_contributors 1" in text

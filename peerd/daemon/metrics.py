@@ -100,7 +100,39 @@ def daemon_metrics(daemon: Daemon, rate: TokenRate) -> list[Metric]:
         *_local_api(daemon.api),
         *([_state(server)] if server is not None else []),
         _errors(server),
+        *_standing(server),
     ]
+
+
+def _standing(server: BlockServer | None) -> list[Metric]:
+    """Standing (peerd.server.standing): the peers that contribute as this server sees them, and
+    the work it gave them against the pure takers."""
+    work = Metric(
+        "peerd_priority_work_total",
+        "counter",
+        "Work this server gave by class (contributor: peers with standing; taker: the others); "
+        "queue=turns: tokens run through its blocks, queue=cache: cache tokens admitted.",
+    )
+    share = Metric(
+        "peerd_contributor_work_share",
+        "gauge",
+        "Share of this server's work given to contributors so far, by queue.",
+    )
+    if server is None:
+        return [work, share]
+    for queue, priority in (
+        ("turns", server.batcher.priority),
+        ("cache", server.admission.priority),
+    ):
+        if priority is None:
+            continue
+        for kind, total in priority.totals.items():
+            work.add(total, queue=queue, **{"class": kind})
+        share.add(priority.contributor_share(), queue=queue)
+    contributors = Metric(
+        "peerd_contributors", "gauge", "Peers with a standing above zero on this server."
+    ).add(len(server.standing.standings()))
+    return [work, share, contributors]
 
 
 def _identity(daemon: Daemon) -> Metric:
