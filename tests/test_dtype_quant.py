@@ -19,6 +19,11 @@ from blocks.memory import _meta_block
 from blocks.quant import held_bytes, quantize_linears
 from blocks.serving import ServingError, resolve_serving
 from peerd.daemon.main import blocks_to_serve
+from peerd.session.generation import Generator
+from peerd.session.inference import InferenceSession
+from peerd.session.swarm import SwarmView
+from tests.memnet import MemNet, open_memnet
+from tests.numeric import assert_close_scaled
 
 TEXT = Path(__file__).parent / "data" / "lighthouses.txt"
 BF16 = torch.bfloat16
@@ -127,3 +132,108 @@ def perplexity(client: blocks.ClientSide, ids: torch.Tensor, hidden: torch.Tenso
         logits = client.logits(hidden[:, :-1]).float()
     loss = nn.functional.cross_entropy(logits[0], ids[0, 1:])
     return math.exp(float(loss))
+
+
+PROMPT = "The keeper climbed the stairs of the lighthouse at dusk and"
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def checkpoint() -> Path:
+    return blocks.resolve_checkpoint("default")
+
+
+def serve_thirds(net: MemNet, checkpoint: Path, dtype: torch.dtype, quant: str) -> SwarmView:
+    """Servers a, b, c of blocks 0:10, 10:20, 20:30 of the default model in `dtype` and `quant`,
+    and a client's view of them."""
+    for name, start in (("a", 0), ("b", 10), ("c", 20)):
+        span = blocks.load_span(checkpoint, start, start + 10, dtype, quant=quant)
+        net.serve(name, span, model=span.model, cache_tokens=4096)
+    view = SwarmView(net.node("client"), span.model, 30, refresh_period=60)  # type: ignore[arg-type]
+    view.records = net.records()
+    return view
+
+
+async def test_three_bfloat16_servers_decode_greedily_as_transformers_does(
+    checkpoint: Path,
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    client = blocks.load_client_side(checkpoint, BF16)
+    ids = client.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    async with open_memnet() as net:
+        view = serve_thirds(net, checkpoint, BF16, "none")
+        records = list(view.records.values())
+        assert {(r.device, r.dtype, r.quant) for r in records} == {("cpu", "bfloat16", "none")}
+        tokens = [t async for t in Generator(client, view).generate(ids, NEW_TOKENS)]
+    ours = [int(t[0, 0]) for t in tokens]
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=BF16).eval()
+    with torch.inference_mode():
+        theirs = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1] :]
+    assert ours == theirs.tolist()
+
+
+async def swarm_perplexity(
+    checkpoint: Path, client: blocks.ClientSide, dtype: torch.dtype, quant: str
+) -> float:
+    """Perplexity of the shipped text through three in-process servers, in one prefill."""
+    ids = client.tokenizer(TEXT.read_text(), return_tensors="pt")["input_ids"]
+    async with open_memnet() as net:
+        view = serve_thirds(net, checkpoint, dtype, quant)
+        async with InferenceSession(view, max_length=ids.shape[1]) as session:
+            hidden = await session.step(client.embed(ids))
+    return perplexity(client, ids, hidden)
+
+
+@pytest.mark.slow
+async def test_perplexity_through_the_swarm_in_each_dtype_and_quant(checkpoint: Path) -> None:
+    """Issue 18's quality bounds against float32: bfloat16 within 1%, int8 3%, nf4 35%."""
+    client = blocks.load_client_side(checkpoint)  # float32: only the servers' blocks differ
+    base = await swarm_perplexity(checkpoint, client, torch.float32, "none")
+    bounds = {(BF16, "none"): 0.01, (BF16, "int8"): 0.03, (BF16, "nf4"): 0.35}
+    for (dtype, quant), most in bounds.items():
+        ppl = await swarm_perplexity(checkpoint, client, dtype, quant)
+        assert abs(ppl / base - 1) <= most, (dtype, quant, ppl, base)
+
+
+def test_lora_applies_on_nf4_base_weights_as_peft_on_their_dequantized_values(
+    tmp_path: Path,
+) -> None:
+    """A quantized span with an adapter computes what PEFT computes on a model holding the very
+    weights the 4-bit codes stand for: the adapter's product is added unquantized."""
+    pytest.importorskip("peft")
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_lora import CONFIG, fresh_base, hidden_states, save_adapter
+
+    torch.manual_seed(0)
+    tiny = tmp_path / "tiny-llama"
+    # bitsandbytes' 4-bit CPU kernels need 64 or more input features.
+    wider: dict[str, float] = {"hidden_size": 128, "intermediate_size": 256, "head_dim": 32}
+    wider["initializer_range"] = 0.02  # a trained model's scale, not CONFIG's sharp 0.5
+    config = LlamaConfig(**{**CONFIG.to_dict(), **wider})
+    AutoModelForCausalLM.from_config(config).save_pretrained(tiny)
+    blocks_used = config.num_hidden_layers - 1
+    quantized = blocks.load_span(tiny, 0, blocks_used, quant="nf4")
+    base = fresh_base(tiny)
+    with torch.no_grad():
+        for index, layer in enumerate(quantized.layers):
+            for name, module in layer.named_modules():
+                if isinstance(module, bnb.nn.Linear4bit):
+                    codes = module.weight
+                    weight = bnb.functional.dequantize_4bit(codes.data, codes.quant_state)
+                    base.model.layers[index].get_submodule(name).weight.copy_(weight)
+    peft_model, adapter = save_adapter(base, tmp_path / "shout")
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(3))
+    expected = hidden_states(peft_model, ids)
+    span = blocks.load_span(tiny, 0, blocks_used, adapters=[adapter], quant="nf4")
+    with torch.no_grad():
+        ours = span(expected[0], adapter="shout")
+        plain = span(expected[0])
+    assert span.quant == "nf4"
+    # bitsandbytes' CPU 4-bit kernel rounds its inputs (0.3% of a linear layer's output here,
+    # 0.2% of the scale after three blocks); a missing or misplaced adapter is off by ~100%.
+    assert_close_scaled(ours, expected[blocks_used], rel=1e-2)
+    changed = float((ours - plain).abs().max())
+    assert changed > 1e-3 * float(ours.abs().max()), "the adapter must change the output"
