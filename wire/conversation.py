@@ -228,12 +228,15 @@ class ServerInference:
             return CloseRequested()
         return StepRequested(message)
 
-    def opened(self, max_length: int) -> SessionOpened:
-        """The session was admitted with `max_length` tokens: the reply to send."""
+    def opened(self, max_length: int, standing: float = 0.0) -> SessionOpened:
+        """The session was admitted with `max_length` tokens (its peer has `standing` here):
+        the reply to send."""
         if self.phase is not Phase.OPENING or self.request is None:
             raise OutOfTurn(f"cannot open a session that is {self.phase.value}")
         self.phase, self.max_length = Phase.OPEN, max_length
-        return SessionOpened(session_id=self.request.session_id, max_length=max_length)
+        return SessionOpened(
+            session_id=self.request.session_id, max_length=max_length, standing=standing
+        )
 
     def close(self) -> None:
         """The session ended (refused, failed, closed): it takes nothing more."""

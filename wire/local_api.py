@@ -357,3 +357,7 @@ class StatusResponse(Message):
     models: tuple[SwarmModel, ...] = spec(default=(), max_items=MAX_SWARM_MODELS)
     """Every model this daemon knows to be served in the swarm (its own first), and the ones it
     can load; generate with one by naming it in Generate.model / OpenInference.model."""
+    standing: float = spec(default=0.0, ge=0.0, le=2.0)
+    """This daemon's standing as the servers it used lately grant it (their median)."""
+    contributor_share: float = spec(default=0.0, ge=0.0, le=1.0)
+    """Share of this daemon's block server's work that went to peers with standing."""

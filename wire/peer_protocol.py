@@ -235,6 +235,8 @@ class OpenSession(_Span, Message):
 class SessionOpened(Message):
     session_id: str = spec(min_len=1, max_len=MAX_ID_LEN)
     max_length: int = spec(ge=1, le=MAX_SESSION_TOKENS)  # tokens actually reserved
+    # The standing this server grants the session's peer (peerd.server.standing: 0..2).
+    standing: float = spec(default=0.0, ge=0.0, le=2.0)
 
 
 @message("step")

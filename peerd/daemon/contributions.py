@@ -8,7 +8,9 @@ at the view every STANDING_LOOK_S and tells the server's Standing what it saw.
 
 from __future__ import annotations
 
+import statistics
 import time
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -16,6 +18,12 @@ from peerd.server.standing import Standing
 from peerd.session.swarm import SwarmView
 from routing.bans import BanList
 
+if TYPE_CHECKING:
+    from peerd.server.block_server import BlockServer
+
+# What servers said our standing was counts this long (`peerd status`): older sessions' answers
+# may be from before we served, or stopped.
+STANDING_SEEN_S = 600.0
 # Seconds between looks at the swarm view: well under the standing's qualify and decay periods,
 # so a peer's standing follows the view within a few seconds.
 STANDING_LOOK_S = 5.0
@@ -65,3 +73,21 @@ async def watch_standing(standing: Standing, swarm: SwarmView) -> None:
     while True:
         look(standing, swarm, contradictions)
         await trio.sleep(STANDING_LOOK_S)
+
+
+def standing_seen(swarm: SwarmView | None, now: float | None = None) -> float:
+    """Our standing as servers grant it: the median of what the servers our sessions opened on
+    in the last STANDING_SEEN_S said (their session_opened replies); 0 with none."""
+    if swarm is None:
+        return 0.0
+    now = time.time() if now is None else now
+    seen = swarm.standing_seen
+    for peer in [p for p, (_, at) in seen.items() if now - at > STANDING_SEEN_S]:
+        del seen[peer]
+    return statistics.median(value for value, _ in seen.values()) if seen else 0.0
+
+
+def contributor_share(server: BlockServer | None) -> float:
+    """The share of our block server's work (tokens run) that went to peers with standing."""
+    priority = server.batcher.priority if server is not None else None
+    return priority.contributor_share() if priority is not None else 0.0

@@ -31,6 +31,7 @@ import wire
 from peerd import __version__
 from peerd.daemon.api_connection import ApiConnection, sole_cause
 from peerd.daemon.api_session import ApiError
+from peerd.daemon.contributions import contributor_share, standing_seen
 from peerd.daemon.startup import socket_in_use
 from peerd.paths import UnsafeDirectory, check_socket_dir
 from peerd.session.generation import Generator
@@ -180,4 +181,6 @@ def build_status(
         num_blocks=swarm.num_blocks if swarm is not None else 0,
         addrs=tuple(swarm.node.maddrs()) if swarm is not None else (),
         models=models,
+        standing=standing_seen(swarm),
+        contributor_share=contributor_share(server),
     )

@@ -183,6 +183,8 @@ def format_status(status: wire.StatusResponse) -> str:
             lines.append(f"on {runs_on(s)}")
         if s.adapters:
             lines.append(f"adapters: {', '.join(s.adapters)}")
+        lines.append(f"work given to peers with standing: {status.contributor_share:.0%}")
+    lines.append(f"our standing, as the servers we used grant it: {status.standing:.3f}")
     if not status.swarm:
         lines.append("no servers known yet")
         return "\n".join(lines)
@@ -270,6 +272,8 @@ def status_table(status: wire.StatusResponse) -> Any:
         )
         if s.adapters:
             parts.append(Text(f"adapters: {', '.join(s.adapters)}"))
+        parts.append(Text(f"work given to peers with standing: {status.contributor_share:.0%}"))
+    parts.append(Text(f"our standing, as the servers we used grant it: {status.standing:.3f}"))
     if not status.swarm:
         parts.append(Text("no servers known yet", style="yellow"))
         return Group(*parts)

@@ -153,7 +153,8 @@ class InferenceHandler:
             with live.scope:
                 self.scopes.add(live.scope)
                 self.live[session_id] = live
-                await live.messages.send(live.conv.opened(live.request.max_length))
+                standing = self.server.standing.of(live.messages.remote_peer)
+                await live.messages.send(live.conv.opened(live.request.max_length, standing))
                 await self._run_both_lanes(live)
             if live.failure is not None:  # a pushed step broke the session, or its lease lapsed
                 raise live.failure

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -298,4 +299,5 @@ async def open_hop(
     if isinstance(event, Refused):
         await stream.close()
         raise HopRefused(f"{hop.peer_id} refused the session: {event.error.message}")
+    swarm.standing_seen[hop.peer_id] = (event.reply.standing, time.time())
     return HopSession(hop, stream, conversation, step_ids, timeout=options.request_timeout)

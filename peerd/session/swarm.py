@@ -122,6 +122,8 @@ class SwarmView:
         self.bans = BanList()
         # Fraction of steps this daemon's sessions re-run on a second server (peerd.session.verify).
         self.verify_fraction = 0.0
+        # peer -> (the standing it said it grants us when it last opened a session, when)
+        self.standing_seen: dict[str, tuple[float, float]] = {}
         self._refresh_lock = trio.Lock()
         # Servers that told us they leave (SIGTERM), and when: no refresh brings them back until
         # they say they joined again or 2 refresh periods pass. When each peer last said it

@@ -1,0 +1,235 @@
+"""`peerd bench fairness`: does a loaded swarm serve first the peers that serve it?
+
+Three local daemons (blocks 0:10, 10:20, 20:30 of the default model) are saturated by pure
+clients (in-process leeches, each its own peer id: `takers` peers x `sessions_per_taker` sessions,
+8 in all by default, each generating from a long prompt again and again, so the servers' turns
+are full of prefill chunks), while a fourth daemon that serves blocks too (29:30: its own routes
+use it, nobody else's need it) generates in 2 sessions of its own through its local API. The
+servers learn its standing from their swarm views (it must serve for peerd.server.standing's
+QUALIFY_S first: the bench waits until each of the three counts one contributor).
+
+Reported per class: the median time between two generated tokens (after the first), the
+contributor's also unloaded (alone on the same swarm, just before), and the share of the three
+servers' work (tokens run through their blocks, from their metrics) each class got under load.
+The whole thing runs once with `--priority standing` and once with `--priority fifo` on fresh
+swarms, same run. The clients' own work (embedding, LM head, sampling of 10 sessions) runs on the
+same cores as the daemons: the latencies are of one loaded machine, compare them side by side.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+import blocks
+import wire
+from peerd.devtools.localswarm import DaemonProcess, LocalSwarm
+from peerd.node.p2p import open_node, parse_peer_maddr
+from peerd.sdk.async_client import AsyncClient
+from peerd.session.generation import Generator
+from peerd.session.inference import InferenceSession
+from peerd.session.leech import covered
+from peerd.session.swarm import SwarmView
+
+SPANS = ("0:10", "10:20", "20:30")
+CONTRIBUTOR_SPAN = "29:30"
+# Pure clients' prompts: long enough that each is several prefill chunks on every server.
+TAKER_PROMPT = " ".join(["The history of the printing press begins in the fifteenth century."] * 24)
+CONTRIBUTOR_PROMPT = "Once upon a time, there was a little"
+# How long the servers' views may take to grant the contributor standing (qualify + looks).
+STANDING_WAIT_S = 240.0
+
+
+def _metrics_port(daemon: DaemonProcess) -> int:
+    for line in daemon.output:
+        if "metrics on http://127.0.0.1:" in line:
+            return int(line.split("127.0.0.1:")[1].split("/")[0])
+    raise RuntimeError(f"daemon {daemon.name} printed no metrics address: {daemon.output}")
+
+
+def _scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
+        text = reply.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
+
+
+async def _work(ports: list[int]) -> dict[str, float]:
+    """Tokens the servers ran, by class, summed over the servers."""
+    out = {"contributor": 0.0, "taker": 0.0}
+    for port in ports:
+        values = await trio.to_thread.run_sync(_scrape, port)
+        for kind in out:
+            out[kind] += values.get(f'peerd_priority_work_total{{class="{kind}",queue="turns"}}', 0)
+    return out
+
+
+async def _wait_for_standing(ports: list[int]) -> float:
+    """Seconds until every server counts a contributor."""
+    began = time.monotonic()
+    with trio.fail_after(STANDING_WAIT_S):
+        while True:
+            scrapes = [await trio.to_thread.run_sync(_scrape, port) for port in ports]
+            if all(s.get("peerd_contributors", 0) >= 1 for s in scrapes):
+                return time.monotonic() - began
+            await trio.sleep(2)
+
+
+async def _contributor_session(daemon: DaemonProcess, new_tokens: int) -> list[float]:
+    """Gaps between tokens of one generation through the contributor daemon's local API."""
+    times: list[float] = []
+    async with AsyncClient(daemon.socket, timeout=120) as client:
+        async for message in client.stream_tokens(CONTRIBUTOR_PROMPT, max_new_tokens=new_tokens):
+            if isinstance(message, wire.GeneratedToken):
+                times.append(time.perf_counter())
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+async def _contributor(daemon: DaemonProcess, sessions: int, new_tokens: int, reps: int) -> list:
+    gaps: list[float] = []
+
+    async def one() -> None:
+        gaps.extend(await _contributor_session(daemon, new_tokens))
+
+    for _ in range(reps):
+        async with trio.open_nursery() as nursery:
+            for _ in range(sessions):
+                nursery.start_soon(one)
+    return gaps
+
+
+async def _taker(
+    generator: Generator, swarm: SwarmView, ids: Any, stop: trio.Event, gaps: list[float]
+) -> None:
+    """Generate 8 tokens from a long prompt, again and again until `stop`."""
+    while not stop.is_set():
+        times: list[float] = []
+        async with InferenceSession(swarm, max_length=ids.shape[1] + 8) as session:
+            async for _ in generator.generate(ids, 8, session=session):
+                times.append(time.perf_counter())
+        if not stop.is_set():
+            gaps.extend(b - a for a, b in itertools.pairwise(times))
+
+
+@asynccontextmanager
+async def _taker_views(
+    swarm: LocalSwarm, client: blocks.ClientSide, count: int
+) -> AsyncIterator[list[SwarmView]]:
+    """`count` pure clients, each its own libp2p host (peer id) and swarm view."""
+    async with AsyncExitStack() as stack:
+        views = []
+        for _ in range(count):
+            node = await stack.enter_async_context(
+                open_node(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"])
+            )
+            await node.connect(parse_peer_maddr(swarm.initial_peers[0]))
+            num_blocks = int(client.config.num_hidden_layers)
+            view = SwarmView(node, client.model, num_blocks, refresh_period=5.0)
+            await view.wait_for(covered, 60)
+            views.append(view)
+        yield views
+
+
+async def _loaded(
+    swarm: LocalSwarm, contributor: DaemonProcess, ports: list[int], args: dict
+) -> tuple[list[float], list[float], dict[str, float]]:
+    """(contributor's gaps, takers' gaps, work by class) while the takers saturate the swarm."""
+    client = await trio.to_thread.run_sync(
+        blocks.load_client_side, blocks.resolve_checkpoint("default")
+    )
+    ids = client.tokenizer(TAKER_PROMPT, return_tensors="pt")["input_ids"]
+    taker_gaps: list[float] = []
+    stop = trio.Event()
+    async with _taker_views(swarm, client, args["takers"]) as views, trio.open_nursery() as nursery:
+        for view in views:
+            nursery.start_soon(view.run)
+            for _ in range(args["sessions_per_taker"]):
+                nursery.start_soon(_taker, Generator(client, view), view, ids, stop, taker_gaps)
+        await trio.sleep(args["ramp_s"])  # every taker session busy
+        before = await _work(ports)
+        loaded = await _contributor(
+            contributor, args["contributor_sessions"], args["new_tokens"], args["reps"]
+        )
+        after = await _work(ports)
+        stop.set()
+        nursery.cancel_scope.cancel()
+    return loaded, taker_gaps, {kind: after[kind] - before[kind] for kind in after}
+
+
+async def _measure(swarm: LocalSwarm, contributor: DaemonProcess, args: dict) -> dict[str, Any]:
+    ports = [_metrics_port(d) for d in swarm.daemons[: len(SPANS)]]
+    waited = await _wait_for_standing(ports)
+    sessions = args["contributor_sessions"]
+    await _contributor(contributor, sessions, 4, 1)  # warm-up
+    unloaded = await _contributor(contributor, sessions, args["new_tokens"], args["reps"])
+    loaded, taker_gaps, work = await _loaded(swarm, contributor, ports, args)
+    total = sum(work.values()) or 1.0
+    alone = statistics.median(unloaded)
+    mine, theirs = statistics.median(loaded), statistics.median(taker_gaps)
+    return {
+        "contributor_unloaded_token_s": round(alone, 4),
+        "contributor_loaded_token_s": round(mine, 4),
+        "taker_loaded_token_s": round(theirs, 4),
+        "contributor_vs_unloaded": round(mine / alone, 3),
+        "contributor_vs_takers": round(mine / theirs, 3),
+        "contributor_work_share": round(work["contributor"] / total, 3),
+        "taker_work_share": round(work["taker"] / total, 3),
+        "standing_after_s": round(waited, 1),
+        "tokens": {"contributor": len(loaded), "taker": len(taker_gaps)},
+    }
+
+
+def _start(priority: str) -> tuple[LocalSwarm, DaemonProcess]:
+    swarm = LocalSwarm(refresh_period=2.0, torch_threads=1)
+    extra = ("--priority", priority, "--metrics-port", "0")
+    for name, span in zip("abc", SPANS, strict=True):
+        swarm.start(name, span, *extra)
+    return swarm, swarm.start("contributor", CONTRIBUTOR_SPAN, *extra)
+
+
+def run_fairness_bench(
+    *,
+    takers: int = 4,
+    sessions_per_taker: int = 2,
+    contributor_sessions: int = 2,
+    new_tokens: int = 24,
+    reps: int = 2,
+    ramp_s: float = 10.0,
+    modes: tuple[str, ...] = ("standing", "fifo"),
+) -> dict[str, Any]:
+    """Per priority mode, the contributor's and the takers' token latency and work share."""
+    args = {
+        "takers": takers,
+        "sessions_per_taker": sessions_per_taker,
+        "contributor_sessions": contributor_sessions,
+        "new_tokens": new_tokens,
+        "reps": reps,
+        "ramp_s": ramp_s,
+    }
+    report: dict[str, Any] = {**args, "taker_sessions": takers * sessions_per_taker}
+    for mode in modes:
+        swarm, contributor = _start(mode)
+        try:
+            report[mode] = trio.run(_measure, swarm, contributor, args)
+        finally:
+            swarm.stop()
+    if "standing" in report:
+        s = report["standing"]
+        report["standing_meets_acceptance"] = (
+            s["contributor_vs_unloaded"] <= 1.5
+            and s["contributor_vs_takers"] <= 0.6
+            and s["taker_work_share"] >= 0.2
+        )
+    return report
