@@ -13,17 +13,22 @@ from typing import Any
 
 import pytest
 import torch
-import trio
 
 import blocks
 import wire
-from peerd.session.drafting import lookup
+from peerd.session.drafting import Draft
 from peerd.session.generation import Generator
 from peerd.session.inference import InferenceSession
-from peerd.session.speculative import Adaptive, Speculation, Tally, parse_speculate
+from peerd.session.speculative import (
+    Fixed,
+    Speculation,
+    SpeculativeDecoder,
+    Tally,
+    parse_speculate,
+)
 from peerd.session.swarm import SwarmView
 from tests.memnet import MemNet, open_memnet
-from tests.tiny_models import TINY_CONFIGS, save_tiny
+from tests.tiny_models import save_tiny
 
 # Two families whose random weights fall into repeats now and then from PROMPT (so prompt
 # lookup's drafts both stand and fall): rotary (qwen3) and ALiBi (bloom) positions.
@@ -112,3 +117,104 @@ async def test_a_killed_middle_server_mid_speculation_changes_no_token(
                     net.kill(victim)
             assert session.failures == 1
     assert got == plain
+
+
+class _LocalChain:
+    """Every block in one span with its own cache, in this process: the chain of a 1-hop swarm
+    without the network, for runs too many to send through servers."""
+
+    def __init__(self, span: blocks.Span, max_length: int) -> None:
+        self.span = span
+        self.max_length = max_length
+        self.cache = blocks.MemoryCache(budget_tokens=max_length).open_session(1, max_length)
+
+    @property
+    def position(self) -> int:
+        return self.cache.position
+
+    async def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.span(hidden, self.cache)
+
+    def rollback(self, position: int) -> None:
+        self.cache.rollback(position)
+
+
+RUNS = 2000
+SAMPLED = 3
+TOP_K = 3  # 27 possible first three tokens: enough runs land in each to count them
+
+
+class _FixedDraft:
+    """A drafter that samples every draft from one fixed distribution `q` (the acceptance rule
+    must give plain sampling's distribution whatever q is; one near p makes drafts both stand
+    and fall, and costs no model run, so 2,000 runs take seconds)."""
+
+    def __init__(self, q: torch.Tensor) -> None:
+        self.q = q
+
+    def propose(
+        self, sequence: Any, k: int, params: wire.Sampling, generator: torch.Generator
+    ) -> Draft:
+        tokens = torch.multinomial(self.q, k, replacement=True, generator=generator)
+        return Draft(tokens.tolist(), self.q.expand(k, -1))
+
+
+def _exact_distribution(
+    span: blocks.Span, client: blocks.ClientSide, params: wire.Sampling
+) -> dict[tuple[int, ...], float]:
+    """P(first SAMPLED tokens) of plain sampling, by enumerating every path of top-k tokens."""
+    from peerd.session.sampling import logits_to_probs
+
+    paths: dict[tuple[int, ...], float] = {(): 1.0}
+    with torch.inference_mode():
+        for _ in range(SAMPLED):
+            longer: dict[tuple[int, ...], float] = {}
+            for path, p in paths.items():
+                hidden = span(client.embed(torch.tensor([PROMPT + list(path)])))
+                probs = logits_to_probs(client.logits(hidden[:, -1]).float(), params)[0]
+                for token in torch.nonzero(probs).flatten().tolist():
+                    longer[(*path, token)] = p * float(probs[token])
+            paths = longer
+    return paths
+
+
+async def test_sampled_tokens_are_distributed_as_plain_sampling(
+    tiny: dict[str, Path],
+) -> None:
+    """Chi-square of the first three tokens of 2,000 seeded speculative runs (3 drafts a pass,
+    drawn from a distribution near the target's) against plain sampling's exact distribution."""
+    path = tiny["qwen3"]
+    # One block is model enough for the statistics, and runs 2,000 times in seconds.
+    span = blocks.load_span(path, 0, 1)
+    client = blocks.load_client_side(path)
+    params = wire.Sampling(do_sample=True, top_k=TOP_K)
+    expected = _exact_distribution(span, client, params)
+    # Drafts from the tokens any of the paths takes, uniformly: near p, but not p.
+    q = torch.zeros(client.embeddings.num_embeddings)
+    q[sorted({token for path in expected for token in path})] = 1.0
+    counts: Counter[tuple[int, ...]] = Counter()
+    tally = Tally()
+    # The prompt but its last token runs once; each run goes on from there (its rollbacks
+    # never reach below), so a run costs only its own one or two passes.
+    chain = _LocalChain(span, len(PROMPT) + SAMPLED)
+    await chain.step(client.embed(torch.tensor([PROMPT[:-1]])))
+    for seed in range(RUNS):
+        decoder = SpeculativeDecoder(
+            client.embed,
+            client.logits,
+            _FixedDraft(q / q.sum()),
+            Fixed(3),
+            params,
+            torch.Generator().manual_seed(seed),
+            tally,
+        )
+        chain.rollback(len(PROMPT) - 1)
+        stream = decoder.decode(chain, torch.tensor([PROMPT[-1:]]), SAMPLED, ())
+        counts[tuple([int(t[0, 0]) async for t in stream])] += 1
+    assert 0 < tally.accepted < tally.drafted, tally  # both rules of acceptance ran
+    assert set(counts) <= set(expected)
+    statistic = sum((counts[k] - RUNS * p) ** 2 / (RUNS * p) for k, p in expected.items())
+    freedom = len(expected) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(freedom / 2), torch.tensor(statistic / 2)))
+    assert p_value > 0.01, (p_value, counts)

@@ -42,6 +42,10 @@ MAX_NEW_TOKENS = 1 << 20
 
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LEN = 256
+# Speculative decoding: "draft:" and a path (PATH_MAX on Linux); drafts per pass (a pass of
+# k + 1 tokens still merges with other sessions' short steps on a server).
+MAX_SPECULATE_LEN = 4096 + 6
+MAX_SPECULATE_TOKENS = 15
 
 MAX_SWARM_RECORDS = 4096
 """Server records one StatusResponse lists: a large public swarm has a few hundred servers."""
@@ -159,8 +163,23 @@ class Generate(Message):
     )
     """A batch: several prompts generated together in one inference session (left-padded), each
     row stopping on its own; tokens and endings carry their row (its index here)."""
+    speculate: str = spec(default="off", min_len=1, max_len=MAX_SPECULATE_LEN)
+    """Speculative decoding: "auto" (prompt lookup, drafts per pass adapted to how many stand
+    and to the chain's latency, off where it does not pay), "ngram" (prompt lookup),
+    "draft:PATH" (a small local checkpoint with the model's tokenizer, run by the daemon) or
+    "off". The same tokens as without (greedy), the same distribution (sampling); a batch of
+    prompts decodes without."""
+    speculate_tokens: int | None = spec(default=None, ge=1, le=MAX_SPECULATE_TOKENS)
+    """Drafts per pass (transformers' prompt_lookup_num_tokens / num_assistant_tokens); with
+    "auto", the most it may choose. None: the drafter's default."""
 
     def check(self) -> None:
+        if self.speculate not in ("auto", "ngram", "off") and not (
+            self.speculate.startswith("draft:") and len(self.speculate) > len("draft:")
+        ):
+            raise ValueError(
+                f"speculate {self.speculate[:80]!r}: give auto, ngram, draft:PATH or off"
+            )
         given = sum(x is not None for x in (self.prompt, self.input_ids, self.prompts))
         if given != 1:
             raise ValueError(
