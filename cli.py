@@ -13,6 +13,7 @@ from typing import Any
 
 import typer
 
+from peerd.bench.spec import bench_spec
 from peerd.daemon.commands import service_app, start
 
 # Compute hops of one generation run one after another in different processes on the same cores;
@@ -28,6 +29,7 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks that report ratios measured side by side in one run.")
 app.add_typer(bench_app, name="bench")
+bench_app.command("spec", short_help="Speculative vs plain decoding on a WAN (root).")(bench_spec)
 app.add_typer(service_app, name="service", short_help="A systemd unit that keeps a daemon running.")
 
 
@@ -74,6 +76,7 @@ def _options(
     stop: list[str],
     adapter: str | None = None,
     model: str | None = None,
+    speculate: str = "off",
 ) -> Any:
     from peerd.sdk.client import GenerateOptions
 
@@ -88,6 +91,7 @@ def _options(
         stop=tuple(stop),
         active_adapter=adapter,
         model=model,
+        speculate=speculate,
     )
 
 
@@ -118,6 +122,7 @@ MAX_RETRIES = typer.Option(None, min=0, help="Failed servers to replace before g
 CONNECT_TIMEOUT = typer.Option(None, min=0.001, help="Seconds to dial a server and open a hop.")
 REQUEST_TIMEOUT = typer.Option(None, min=0.001, help="Seconds one step may take on one server.")
 SHOW_ROUTE = typer.Option(False, "--show-route", help="Print the route used (to stderr).")
+SPECULATE = typer.Option("auto", help="auto, ngram, draft:PATH or off: same tokens, fewer passes.")
 
 
 def _routing(
@@ -165,6 +170,7 @@ def generate(
     connect_timeout: float | None = CONNECT_TIMEOUT,
     request_timeout: float | None = REQUEST_TIMEOUT,
     show_route: bool = SHOW_ROUTE,
+    speculate: str = SPECULATE,
 ) -> None:
     """Generate text once through the local daemon, streaming it to stdout; with --file, every
     prompt of the file in one batch, each answer under its prompt's number."""
@@ -183,6 +189,7 @@ def generate(
         stop,
         adapter,
         model,
+        speculate,
     )
     routing = _routing(
         allowed_server, blocked_server, max_retries, connect_timeout, request_timeout, show_route
@@ -235,6 +242,7 @@ def chat(
     connect_timeout: float | None = CONNECT_TIMEOUT,
     request_timeout: float | None = REQUEST_TIMEOUT,
     show_route: bool = SHOW_ROUTE,
+    speculate: str = SPECULATE,
 ) -> None:
     """Chat with the model at the terminal (one conversation, servers keep its cache)."""
     from peerd.sdk.terminal import run_chat, stream_answer
@@ -250,6 +258,7 @@ def chat(
         [],
         adapter,
         model,
+        speculate,
     )
     routing = _routing(
         allowed_server, blocked_server, max_retries, connect_timeout, request_timeout, show_route

@@ -218,3 +218,40 @@ async def test_sampled_tokens_are_distributed_as_plain_sampling(
     freedom = len(expected) - 1
     p_value = float(torch.special.gammaincc(torch.tensor(freedom / 2), torch.tensor(statistic / 2)))
     assert p_value > 0.01, (p_value, counts)
+
+
+def test_the_client_library_and_the_model_speculate_to_plain_greedys_tokens(
+    tiny: dict[str, Path], tmp_path: Path
+) -> None:
+    """Through a real LocalApi on a Unix socket (three BlockServers behind it): every
+    `speculate` of Client.generate, and generate(prompt_lookup_num_tokens=...) /
+    generate(assistant_model=...) of AutoDistributedModelForCausalLM, give transformers'
+    greedy tokens; a bad drafter is refused with what to do."""
+    from transformers import AutoModelForCausalLM
+
+    from peerd.sdk.client import Client, PeerdError
+    from peerd.sdk.model import AutoDistributedModelForCausalLM
+    from tests.test_family_features import InProcessDaemon
+
+    path = tiny["qwen3"]
+    local = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompt = torch.tensor([PROMPT])
+    expected = local.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+    new = expected[0, len(PROMPT) :].tolist()
+    with InProcessDaemon(path, tmp_path / "peerd.sock", []) as daemon:
+        model = AutoDistributedModelForCausalLM.from_pretrained(path, socket=daemon.socket)
+        try:
+            for keywords in ({"prompt_lookup_num_tokens": 4}, {"assistant_model": local}):
+                got = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False, **keywords)
+                assert got.tolist() == expected.tolist(), keywords
+        finally:
+            model.close()
+        with Client(daemon.socket) as client:
+            for speculate in ("off", "auto", "ngram", f"draft:{path}"):
+                result = client.generate_full(
+                    input_ids=PROMPT, max_new_tokens=NEW_TOKENS, speculate=speculate
+                )
+                assert result.token_ids == new, speculate
+            for bad, says in (("sometimes", "give auto, ngram"), ("draft:/nowhere", "config")):
+                with pytest.raises(PeerdError, match=says):
+                    client.generate_full(input_ids=PROMPT, max_new_tokens=2, speculate=bad)

@@ -18,8 +18,10 @@ import trio
 
 import wire
 from peerd.daemon.api_session import ApiError, ApiSession, turn_ids
+from peerd.session.drafting import DraftModelError
 from peerd.session.generation import Generator, encode_prompt, left_pad
 from peerd.session.inference import InferenceSession
+from peerd.session.speculative import Speculation, parse_speculate
 from routing.planner import route_hops
 
 Reason = Literal["length", "stop", "eos", "cancelled"]
@@ -180,19 +182,47 @@ class Generations:
         """Sample through `inference` until every row ended or max_new_tokens, sending each
         row's tokens as they come (and `row_done` for a row that ends before the others)."""
         stream = generator.generate(
-            prompt, request.max_new_tokens, params, session=inference, eos_token_ids=rows[0].eos
+            prompt,
+            request.max_new_tokens,
+            params,
+            session=inference,
+            eos_token_ids=rows[0].eos,
+            speculate=_speculation(request),
         )
-        async for tokens in stream:
-            for index, row in enumerate(rows):
-                if row.reason is not None:
-                    continue  # ended: its later samples are nobody's
-                token_id = int(tokens[index, 0])
-                text = row.add(token_id)
-                await self._send(wire.GeneratedToken(text=text, token_id=token_id, row=index))
-                if row.reason is not None and row_done is not None:
-                    await row_done(index, row)
-            if all(row.reason is not None for row in rows):
-                break
+        # Closed as soon as we stop reading: a speculative pass may have run past the last token
+        # sent, and the session's caches are rolled back to it before a next turn is recorded.
+        with _draft_model_errors():
+            async with contextlib.aclosing(stream):
+                async for tokens in stream:
+                    for index, row in enumerate(rows):
+                        if row.reason is not None:
+                            continue  # ended: its later samples are nobody's
+                        token_id = int(tokens[index, 0])
+                        text = row.add(token_id)
+                        await self._send(
+                            wire.GeneratedToken(text=text, token_id=token_id, row=index)
+                        )
+                        if row.reason is not None and row_done is not None:
+                            await row_done(index, row)
+                    if all(row.reason is not None for row in rows):
+                        break
+
+
+@contextlib.contextmanager
+def _draft_model_errors() -> Iterator[None]:
+    try:
+        yield
+    except DraftModelError as e:  # the request's draft model: its client's to fix
+        raise ApiError(wire.ErrorCode.BAD_REQUEST, str(e)) from e
+
+
+def _speculation(request: wire.Generate) -> Speculation:
+    """The request's speculative decoding, its draft model loaded (refused with what to do
+    when it cannot be)."""
+    try:
+        return parse_speculate(request.speculate, request.speculate_tokens)
+    except ValueError as e:
+        raise ApiError(wire.ErrorCode.BAD_REQUEST, str(e)) from e
 
 
 def _session_for(

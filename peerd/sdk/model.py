@@ -48,6 +48,7 @@ from peerd.sdk.model_checks import (
     prompt_length,
     require_transformers_5,
 )
+from peerd.sdk.model_speculative import speculative_generate, wants_speculation
 from peerd.sdk.remote import (
     DaemonConnection,
     RemoteBlocks,
@@ -405,6 +406,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             inputs = kwargs.pop("input_ids", None)
         # The settings generate itself will use (its own resolution of defaults and kwargs).
         config, _ = self._prepare_generation_config(generation_config, **kwargs)  # type: ignore[misc]
+        if wants_speculation(config, kwargs):  # the daemon's speculative decoding, not HF's
+            given = (generation_config, self.generation_config)
+            return speculative_generate(self, inputs, config, given, session, kwargs)
         mode = config.get_generation_mode(kwargs.get("assistant_model"))
         if mode not in SUPPORTED_MODES:
             reason = NO_BEAMS if "beam" in mode.value else NO_REWIND

@@ -93,6 +93,10 @@ class GenerateOptions:
     stop: tuple[str, ...] = ()
     active_adapter: str | None = None  # a LoRA adapter the servers apply (None: the base model)
     model: str | None = None  # a model of the swarm, by name (Client.models()); None: the daemon's
+    # Speculative decoding: "auto", "ngram", "draft:PATH" (a checkpoint on the daemon's machine
+    # with the model's tokenizer) or "off"; the same output, fewer passes through the swarm.
+    speculate: str = "off"
+    speculate_tokens: int | None = None  # drafts per pass (auto: the most); None: the default
 
     @classmethod
     def merged(cls, options: GenerateOptions | None, changes: Mapping[str, Any]) -> GenerateOptions:
@@ -156,6 +160,8 @@ def generate_request(
             active_adapter=options.active_adapter,
             routing=routing,
             model=options.model,
+            speculate=options.speculate,
+            speculate_tokens=options.speculate_tokens,
         )
     except (wire.ProtocolError, ValueError, TypeError) as e:
         raise PeerdError(wire.ErrorCode.BAD_REQUEST, str(e)) from e
