@@ -33,7 +33,14 @@ from peerd.node.p2p import INFERENCE_PROTOCOL
 from peerd.node.streams import MessageStream, PeerGone
 from peerd.session.local import LocalSteps
 from routing.planner import RouteHop
-from wire.conversation import ClientInference, LateReply, Refused, StepDone, Unsolicited
+from wire.conversation import (
+    ClientInference,
+    LateReply,
+    Opened,
+    Refused,
+    StepDone,
+    Unsolicited,
+)
 from wire.peer_protocol import CompressionName
 
 if TYPE_CHECKING:  # the swarm view asks servers for records with the faults named here
@@ -299,5 +306,6 @@ async def open_hop(
     if isinstance(event, Refused):
         await stream.close()
         raise HopRefused(f"{hop.peer_id} refused the session: {event.error.message}")
-    swarm.standing_seen[hop.peer_id] = (event.reply.standing, time.time())
+    if isinstance(event, Opened):  # the standing it grants us: `peerd status` shows it
+        swarm.standing_seen[hop.peer_id] = (event.reply.standing, time.time())
     return HopSession(hop, stream, conversation, step_ids, timeout=options.request_timeout)
