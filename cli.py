@@ -13,6 +13,7 @@ from typing import Any
 
 import typer
 
+from peerd.bench.scale import bench_scale
 from peerd.bench.spec import bench_spec
 from peerd.daemon.commands import service_app, start
 
@@ -30,6 +31,7 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks that report ratios measured side by side in one run.")
 app.add_typer(bench_app, name="bench")
 bench_app.command("spec", short_help="Speculative vs plain decoding on a WAN (root).")(bench_spec)
+bench_app.command("scale", short_help="Simulated swarm of N peers: routing at scale.")(bench_scale)
 app.add_typer(service_app, name="service", short_help="A systemd unit that keeps a daemon running.")
 
 

@@ -1,30 +1,32 @@
-"""Discovery that scales: signed compact records kept in the DHT per block bucket, and which
+"""Discovery that scales: signed compact server records, kept in the DHT in shards, and which
 servers a client contacts before its first token.
 
 A server publishes what a client needs to plan (its span, throughput, free cache, state, relayed,
-addresses) as a compact record it signs with its libp2p key (`sign_record`). The record is stored
-under one DHT key per (model, block bucket, shard) its span touches (`record_key`): a bucket is
-BUCKET_BLOCKS consecutive blocks, and a bucket's servers are split into `shard_count` shards by
-peer id so that no DHT key holds more than about RECORDS_PER_SHARD records and the DHT nodes
-closest to one key are not the swarm's hot spot. A DHT node keeps a key's records in a
-`RecordShard`, which believes only what `open_record` accepts.
+addresses, network coordinates) as a compact record it signs with its libp2p key
+(`sign_record`). Servers are split into `shard_count` shards by peer id, about SERVERS_PER_SHARD
+each, so that one DHT key (`shard_key`) never holds the whole swarm and the DHT nodes closest to
+it are no hot spot; a server stores its record under its shard's key at three shard counts
+(`shard_levels`), so that peers whose estimates of the swarm's size differ still meet. The DHT
+nodes closest to a key keep its records (routing.record_store), block bucket by block bucket
+(BUCKET_BLOCKS blocks each), so that a client needing some blocks fetches only their records.
 
 `open_record` is where a record is believed or not, on the storing node and again on the client:
 its signature must verify with the key its peer id names (an Ed25519 peer id holds its public key,
-so nobody can publish a record for another peer id), its span must touch the bucket it is stored
-under and lie inside the model, its shard must be its peer id's, and its throughput must be one a
-machine can reach (routing.speeds.MAX_BLOCK_STEPS_PER_S). Whatever else a record claims is the
-server's word: the client still plans with credible throughputs (routing.speeds) and confirms the
-few servers it contacts with a live `info` call (`live_agrees`) before a route uses them.
+so nobody can publish a record for another peer id), its span must lie inside the model (and
+touch the bucket it was fetched for), and its throughput must be one a machine can reach
+(routing.speeds.MAX_BLOCK_STEPS_PER_S). Whatever else a record claims is the server's word: the
+client still plans with credible throughputs (routing.speeds) and confirms the few servers it
+contacts with a live `info` call (`live_agrees`) before a route uses them.
 
-A client fetches one shard of every bucket of the blocks it needs (a few KB each), plans over
-those records, and contacts only `choose_contacts`: the servers of a few alternative routes,
-never more than MAX_CONTACTS, instead of every server the DHT names.
+A client reads a few shards (a few KB each), plans over those records with RTTs estimated from
+coordinates, and contacts only `choose_contacts`: the servers of a few alternative routes, never
+more than MAX_CONTACTS, instead of every server the DHT names.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import random
@@ -42,14 +44,14 @@ from routing.records import ServerRecord, SwarmSnapshot
 from routing.speeds import MAX_BLOCK_STEPS_PER_S
 from wire import ServerState
 
-# Blocks per bucket: an 80-block model has 10 buckets, so a client's first route needs 10 DHT
-# look-ups (run side by side), and a server of a typical span of 10-30 blocks publishes 2-5 keys.
+# Blocks per bucket: a client that needs only some blocks asks a shard for the records of their
+# buckets; an 80-block model has 10.
 BUCKET_BLOCKS = 8
-# What one DHT key holds at most: at ~200 bytes a record, a shard is ~13 KB on the wire. The
-# shard count aims at TARGET_PER_SHARD so that a key rarely fills up as the swarm grows between
-# estimates.
-RECORDS_PER_SHARD = 64
-TARGET_PER_SHARD = 24
+# Servers per shard the shard count aims at: one shard of ~64 records is ~13 KB on the wire, and
+# a client's first route reads a few. A DHT node keeps at most RECORDS_PER_SHARD under one key
+# (a swarm grows between estimates).
+SERVERS_PER_SHARD = 64
+RECORDS_PER_SHARD = 256
 MAX_SHARDS = 1 << 12
 # A signed record bigger than this is refused unread (a record with one address is ~200 bytes).
 MAX_SIGNED_RECORD_BYTES = 2048
@@ -84,14 +86,19 @@ def buckets_of_span(start: int, end: int) -> range:
     return range(bucket_of(start), bucket_of(end - 1) + 1)
 
 
-def shard_count(estimated_servers: float, num_blocks: int, mean_span: float = 20.0) -> int:
-    """Shards per bucket for a swarm of about `estimated_servers` servers: a power of two, so
-    that peers whose estimates differ by less than 2x mostly agree."""
-    buckets = max(1, math.ceil(num_blocks / BUCKET_BLOCKS))
-    touched = min(buckets, 1 + mean_span / BUCKET_BLOCKS)  # buckets one server's span touches
-    per_bucket = max(1.0, estimated_servers) * touched / buckets
-    wanted = max(1.0, per_bucket / TARGET_PER_SHARD)
+def shard_count(estimated_servers: float) -> int:
+    """Shards for a swarm of about `estimated_servers` servers (a power of two, so that peers
+    whose estimates differ by less than 2x mostly agree): about SERVERS_PER_SHARD each."""
+    wanted = max(1.0, estimated_servers / SERVERS_PER_SHARD)
     return min(MAX_SHARDS, 1 << round(math.log2(wanted)))
+
+
+def shard_levels(shards: int) -> tuple[int, ...]:
+    """The shard counts a server publishes under when its own estimate gives `shards`: half,
+    the same and twice as many, so that a client whose estimate of the swarm's size is off by
+    up to 2x from the server's still finds it (estimates from a Kademlia look-up are ~20% off,
+    and two peers on either side of a power of two round differently)."""
+    return tuple(n for n in (shards // 2, shards, shards * 2) if 1 <= n <= MAX_SHARDS)
 
 
 def shard_of(peer_id: str, shards: int) -> int:
@@ -99,10 +106,25 @@ def shard_of(peer_id: str, shards: int) -> int:
     return int.from_bytes(digest[:8], "big") % shards
 
 
-def record_key(model: str, bucket: int, shard: int, swarm_name: str = "") -> bytes:
-    """The DHT key (sha-256 of its name) holding shard `shard` of bucket `bucket` of `model`."""
+Cell = tuple[int, int]
+# Side of a locality cell in network coordinates: servers within ~CELL_S of each other share a
+# cell, and a client reads its own cell's shards to find the servers near it.
+CELL_S = 0.05
+
+
+def cell_of(coords: Coords) -> Cell:
+    return (math.floor(coords[0] / CELL_S), math.floor(coords[1] / CELL_S))
+
+
+def shard_key(
+    model: str, shard: int, shards: int, swarm_name: str = "", cell: Cell | None = None
+) -> bytes:
+    """The DHT key (sha-256 of its name) of shard `shard` of `shards` of `model`'s servers, or
+    of the servers of one locality `cell`; the count is in the name: shard 3 of 8 and shard 3
+    of 16 hold different servers."""
     prefix = f"peerd/{swarm_name}/" if swarm_name else "peerd/"
-    return hashlib.sha256(f"{prefix}{model}/records/{bucket}/{shard}".encode()).digest()
+    where = "" if cell is None else f"cell/{cell[0]},{cell[1]}/"
+    return hashlib.sha256(f"{prefix}{model}/servers/{where}{shard}-of-{shards}".encode()).digest()
 
 
 @dataclass(frozen=True)
@@ -135,7 +157,31 @@ class SignedRecord:
         return len(self.payload) + len(self.signature) + 6
 
 
-def encode_payload(record: ServerRecord) -> bytes:
+Coords = tuple[float, float, float]
+# Network coordinates (Vivaldi-style: x, y and a height for the access link, all in seconds): a
+# record may carry its server's, so that a client ranks servers by estimated RTT before it has
+# pinged any. Values outside this bound are refused.
+MAX_COORD_S = 10.0
+
+
+def estimated_rtt(a: Coords, b: Coords) -> float:
+    """Round trip between two peers estimated from their coordinates, in seconds."""
+    return math.hypot(a[0] - b[0], a[1] - b[1]) + a[2] + b[2]
+
+
+def _check_coords(raw: object) -> Coords | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != 3:
+        raise ValueError("record payload's coords must be [x, y, height]")
+    if not all(isinstance(v, float) and math.isfinite(v) and abs(v) <= MAX_COORD_S for v in raw):
+        raise ValueError(f"record payload's coords must be finite seconds within {MAX_COORD_S:g}")
+    if raw[2] < 0:
+        raise ValueError("record payload's coords height must be >= 0")
+    return (raw[0], raw[1], raw[2])
+
+
+def encode_payload(record: ServerRecord, coords: Coords | None = None) -> bytes:
     """The fields a client plans with, as a msgpack list (field names cost more than values)."""
     return msgpack.packb(
         [
@@ -154,24 +200,26 @@ def encode_payload(record: ServerRecord) -> bytes:
             list(record.addrs),
             record.version,
             record.max_session_length,
+            None if coords is None else [float(v) for v in coords],
         ],
         use_bin_type=True,
     )
 
 
-def decode_payload(payload: bytes) -> ServerRecord:
-    """A compact record back as a ServerRecord; ValueError naming what is wrong."""
+def decode_payload(payload: bytes) -> tuple[ServerRecord, Coords | None]:
+    """A compact record back as a ServerRecord and coordinates; ValueError naming what is
+    wrong."""
     try:
         f = msgpack.unpackb(payload, raw=False)
     except Exception as error:
         raise ValueError(f"record payload is not msgpack: {error}") from None
-    if not isinstance(f, list) or len(f) < 15 or f[0] != 1:
+    if not isinstance(f, list) or len(f) < 16 or f[0] != 1:
         raise ValueError("record payload is not a version-1 compact record")
     if not isinstance(f[8], int) or not 0 <= f[8] < len(_STATES):
         raise ValueError(f"record payload has an unknown state {f[8]!r}")
     if not isinstance(f[12], list):
         raise ValueError("record payload's addrs must be a list")
-    return ServerRecord.from_dict(
+    record = ServerRecord.from_dict(
         {
             "peer_id": f[1],
             "model": f[2],
@@ -189,15 +237,28 @@ def decode_payload(payload: bytes) -> ServerRecord:
             "max_session_length": f[14],
         }
     )
+    return record, _check_coords(f[15])
 
 
-def sign_record(record: ServerRecord, private_key: PrivateKey) -> SignedRecord:
-    """Sign our own record; ValueError if `record` names another peer than the key's."""
+def sign_record(
+    record: ServerRecord, private_key: PrivateKey, coords: Coords | None = None
+) -> SignedRecord:
+    """Sign our own record (and our coordinates); ValueError if `record` names another peer
+    than the key's."""
     own = ID.from_pubkey(private_key.get_public_key()).to_base58()
     if record.peer_id != own:
         raise ValueError(f"a key of peer {own} cannot sign a record of peer {record.peer_id}")
-    payload = encode_payload(record)
+    payload = encode_payload(record, coords)
     return SignedRecord(payload, private_key.sign(SIGNATURE_DOMAIN + payload))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def authentic(signed: SignedRecord) -> tuple[ServerRecord, Coords | None]:
+    """The record and coordinates `signed` holds if its own peer signed it (ForgedRecord if
+    not, ValueError if malformed). Cached: a record fetched again is not verified again."""
+    record, coords = decode_payload(signed.payload)
+    _verify_signature(signed, record.peer_id)
+    return record, coords
 
 
 def _verify_signature(signed: SignedRecord, peer_id: str) -> None:
@@ -231,8 +292,7 @@ def open_record(
 ) -> ServerRecord:
     """The record `signed` holds, if it may be believed; ForgedRecord (or ValueError for a
     malformed one) saying why not. `bucket`: the bucket whose key it was stored under."""
-    record = decode_payload(signed.payload)
-    _verify_signature(signed, record.peer_id)
+    record = authentic(signed)[0]
     who = f"record of peer {record.peer_id}"
     if record.model != model or record.swarm != swarm_name:
         raise ForgedRecord(f"{who} is for {record.swarm}/{record.model}, not {swarm_name}/{model}")
@@ -261,77 +321,47 @@ def _with_expiry(record: ServerRecord, expires_at: float) -> ServerRecord:
     return dataclasses.replace(record, expires_at=expires_at)
 
 
-class RecordShard:
-    """The records a DHT node keeps under one key: newest per peer, believed (`open_record`),
-    expired ones dropped, at most RECORDS_PER_SHARD (the soonest to expire go first)."""
+@dataclass(frozen=True)
+class Believed:
+    """What a client makes of the records it fetched: the snapshot it plans over, the
+    coordinates servers published, and why each refused record was refused."""
 
-    def __init__(self, model: str, num_blocks: int, bucket: int, shard: int, shards: int) -> None:
-        self.model, self.num_blocks = model, num_blocks
-        self.bucket, self.shard, self.shards = bucket, shard, shards
-        self._kept: dict[str, tuple[ServerRecord, SignedRecord]] = {}
-
-    def offer(self, signed: SignedRecord, now: float, swarm_name: str = "") -> ServerRecord:
-        """Keep `signed` if it is believable and newer than what we hold of its peer; return the
-        record, or raise ForgedRecord/ValueError."""
-        record = open_record(
-            signed,
-            model=self.model,
-            num_blocks=self.num_blocks,
-            now=now,
-            bucket=self.bucket,
-            swarm_name=swarm_name,
-        )
-        if shard_of(record.peer_id, self.shards) != self.shard:
-            raise ForgedRecord(f"record of peer {record.peer_id} belongs to another shard")
-        held = self._kept.get(record.peer_id)
-        if held is not None and held[0].updated_at >= record.updated_at:
-            return held[0]
-        self._kept[record.peer_id] = (record, signed)
-        self.expire(now)
-        if len(self._kept) > RECORDS_PER_SHARD:
-            soonest = min(self._kept, key=lambda p: self._kept[p][0].expires_at)
-            del self._kept[soonest]
-        return record
-
-    def expire(self, now: float) -> None:
-        for peer_id in [p for p, (r, _) in self._kept.items() if r.is_expired(now)]:
-            del self._kept[peer_id]
-
-    def signed_records(self, now: float) -> list[SignedRecord]:
-        self.expire(now)
-        return [signed for _, signed in self._kept.values()]
-
-    def __len__(self) -> int:
-        return len(self._kept)
+    snapshot: SwarmSnapshot
+    coords: Mapping[str, Coords]
+    refused: tuple[str, ...]
 
 
 def believe(
-    fetched: Iterable[tuple[int, SignedRecord]],
+    fetched: Iterable[tuple[int | None, SignedRecord]],
     *,
     model: str,
     num_blocks: int,
     now: float,
     swarm_name: str = "",
-) -> tuple[SwarmSnapshot, list[str]]:
-    """A client's snapshot from (bucket, signed record) pairs fetched from the DHT, and why each
-    refused record was refused: a forged record is never used."""
+) -> Believed:
+    """A client's view from (bucket, signed record) pairs fetched from the DHT (bucket None: a
+    key not tied to a bucket): a forged record is never used."""
     records: list[ServerRecord] = []
+    coords: dict[str, Coords] = {}
     refused: list[str] = []
     for bucket, signed in fetched:
         try:
-            records.append(
-                open_record(
-                    signed,
-                    model=model,
-                    num_blocks=num_blocks,
-                    now=now,
-                    bucket=bucket,
-                    swarm_name=swarm_name,
-                )
+            record = open_record(
+                signed,
+                model=model,
+                num_blocks=num_blocks,
+                now=now,
+                bucket=bucket,
+                swarm_name=swarm_name,
             )
         except ValueError as error:
             refused.append(str(error))
-    return SwarmSnapshot.from_records(model, num_blocks, records, now=now), refused
+            continue
+        records.append(record)
+        if (where := authentic(signed)[1]) is not None:
+            coords[record.peer_id] = where
+    snapshot = SwarmSnapshot.from_records(model, num_blocks, records, now=now)
+    return Believed(snapshot, coords, tuple(refused))
 
 
 def choose_contacts(

@@ -4,6 +4,7 @@ peer signed it, its span touches the bucket it came under, and its throughput is
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -11,24 +12,26 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from routing.discovery import (
-    RECORDS_PER_SHARD,
     ForgedRecord,
-    RecordShard,
     SignedRecord,
+    authentic,
     believe,
     buckets_of_span,
     choose_contacts,
     live_agrees,
     open_record,
     shard_count,
+    shard_levels,
     shard_of,
     sign_record,
 )
+from routing.record_store import RecordShard
 from routing.records import ServerRecord
 from tests.test_routing_fixtures import MODEL, make_record
 
 NUM_BLOCKS = 80
 NOW = 1000.0
+COORDS = (0.01, -0.02, 0.004)
 
 
 def key_pair(seed: int) -> KeyPair:
@@ -51,8 +54,9 @@ def opened(signed: SignedRecord, bucket: int | None = None) -> ServerRecord:
 def test_a_record_signed_by_its_peer_opens_as_it_was_signed() -> None:
     keys = key_pair(1)
     record = own_record(keys, 8, 24, throughput=12.5)
-    signed = SignedRecord.from_bytes(sign_record(record, keys.private_key).to_bytes())
+    signed = SignedRecord.from_bytes(sign_record(record, keys.private_key, COORDS).to_bytes())
     assert opened(signed, bucket=2) == record
+    assert authentic(signed) == (record, COORDS)
     assert len(signed.to_bytes()) < 300  # compact: what a shard of 64 costs to fetch
 
 
@@ -86,12 +90,11 @@ def test_a_span_outside_its_bucket_or_model_and_an_impossible_throughput_are_ref
         opened(sign_record(own_record(keys, 0, 8, updated_at=NOW + 3600), keys.private_key))
 
 
-def test_a_shard_keeps_only_believable_records_of_its_own_bucket_and_shard() -> None:
-    honest = [key_pair(10 + i) for i in range(RECORDS_PER_SHARD + 40)]
+def test_a_shard_keeps_only_believable_records_of_its_own_shard() -> None:
     shards = 2
-    shard = RecordShard(MODEL, NUM_BLOCKS, bucket=1, shard=0, shards=shards)
+    shard = RecordShard(MODEL, NUM_BLOCKS, shard=0, shards=shards)
     kept = 0
-    for keys in honest:
+    for keys in (key_pair(10 + i) for i in range(40)):
         signed = sign_record(own_record(keys, 8, 16), keys.private_key)
         if shard_of(peer_of(keys), shards) == 0:
             shard.offer(signed, NOW)
@@ -99,11 +102,32 @@ def test_a_shard_keeps_only_believable_records_of_its_own_bucket_and_shard() -> 
         else:
             with pytest.raises(ForgedRecord, match="another shard"):
                 shard.offer(signed, NOW)
-    assert len(shard) == min(kept, RECORDS_PER_SHARD)
+    assert len(shard) == kept > 0
     liar = next(k for k in (key_pair(900 + i) for i in range(50)) if shard_of(peer_of(k), 2) == 0)
-    with pytest.raises(ForgedRecord):
-        shard.offer(sign_record(own_record(liar, 0, 8), liar.private_key), NOW)  # bucket 0
-    assert len(shard.signed_records(NOW + 61)) == 0  # every record expired
+    with pytest.raises(ForgedRecord, match="no machine reaches"):
+        shard.offer(sign_record(own_record(liar, 0, 8, throughput=1e9), liar.private_key), NOW)
+    assert len(shard.records(NOW, buckets=[1])) == kept and not shard.records(NOW, buckets=[0])
+    assert len(shard.records(NOW + 61)) == 0  # every record expired
+
+
+def test_a_reader_coming_back_gets_only_what_changed() -> None:
+    shard = RecordShard(MODEL, NUM_BLOCKS, shard=0, shards=1)
+    a, b, c = key_pair(21), key_pair(22), key_pair(23)
+    for keys in (a, b):
+        shard.offer(sign_record(own_record(keys, 0, 8), keys.private_key), NOW)
+    first = shard.changes_since(-math.inf, NOW)
+    assert first.whole and len(first.records) == 2
+    # a republishes the same content, b moves, c joins; then a's record expires.
+    later = NOW + 30
+    shard.offer(sign_record(own_record(a, 0, 8, updated_at=later), a.private_key), later)
+    shard.offer(sign_record(own_record(b, 8, 16, updated_at=later), b.private_key), later)
+    shard.offer(sign_record(own_record(c, 0, 8, updated_at=later), c.private_key), later)
+    changes = shard.changes_since(NOW, later)
+    assert not changes.whole
+    assert {authentic(s)[0].peer_id for s in changes.records} == {peer_of(b), peer_of(c)}
+    gone = shard.changes_since(later, later + 200)  # b and c (expiring at +90) and a are gone
+    assert set(gone.gone) == {peer_of(a), peer_of(b), peer_of(c)} and not gone.records
+    assert changes.size < first.size * 2
 
 
 def test_a_client_plans_over_believed_records_and_contacts_few_servers() -> None:
@@ -117,8 +141,9 @@ def test_a_client_plans_over_believed_records_and_contacts_few_servers() -> None
     mallory = key_pair(7)
     fake = own_record(mallory, 0, NUM_BLOCKS, throughput=1e9)
     fetched.append((0, sign_record(fake, mallory.private_key)))
-    snapshot, refused = believe(fetched, model=MODEL, num_blocks=NUM_BLOCKS, now=NOW)
-    assert peer_of(mallory) not in snapshot.by_peer and len(refused) == 1
+    believed = believe(fetched, model=MODEL, num_blocks=NUM_BLOCKS, now=NOW)
+    snapshot = believed.snapshot
+    assert peer_of(mallory) not in snapshot.by_peer and len(believed.refused) == 1
     assert len(snapshot.records) == len(pairs)
     contacts = choose_contacts(snapshot, now=NOW, max_contacts=12)
     assert 5 <= len(contacts) <= 12  # one route of 16-block hops is 5 servers; spares after it
@@ -128,6 +153,7 @@ def test_a_client_plans_over_believed_records_and_contacts_few_servers() -> None
 
 
 def test_shard_counts_grow_with_the_swarm_in_powers_of_two() -> None:
-    counts = [shard_count(n, NUM_BLOCKS) for n in (10, 100, 1000, 10_000)]
-    assert counts[0] == 1 and counts == sorted(counts) and counts[-1] >= 16
+    counts = [shard_count(n) for n in (10, 100, 1000, 10_000)]
+    assert counts[0] == 1 and counts == sorted(counts) and counts[-1] >= 128
+    assert shard_levels(1) == (1, 2) and shard_levels(16) == (8, 16, 32)
     assert all(c & (c - 1) == 0 for c in counts)

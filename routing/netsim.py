@@ -1,0 +1,221 @@
+"""A simulated network for routing.simulate: peers with latencies, bandwidths, a Kademlia
+routing table each, and look-ups counted hop by hop, message by message and byte by byte.
+
+Latency: every peer sits somewhere on a plane of a few dense regions (continents) behind an
+access link of its own; a round trip is the distance between two peers plus both access delays,
+scaled so that the median round trip over random pairs is `median_rtt_s` (50 ms by default).
+Bandwidth: lognormal per peer (median 20 Mbit/s); a transfer runs at the slower end's speed.
+
+Kademlia: 64-bit ids (the first 8 bytes of the sha-256 of the peer id), k = 20, alpha = 3. A
+peer's routing table is drawn lazily and deterministically from the current membership: for
+each prefix length i it knows k members of the subtree that shares i bits with it and differs
+in bit i (all of them when there are fewer). A look-up asks alpha peers at a time for the k
+closest they know, as py-libp2p's does, and stops when a round brings nobody closer or when it
+reaches a peer holding the value it looks for.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+K = 20
+ALPHA = 3
+ID_BITS = 64
+# Bytes of a Kademlia message on the wire: a request (type, key, framing) and one peer entry of
+# a reply (id, two multiaddrs, protobuf framing).
+REQUEST_BYTES = 80
+PEER_ENTRY_BYTES = 90
+REGIONS = 5
+# Relative error of each network coordinate (Vivaldi's estimates are typically 10-20% off).
+COORD_ERROR = 0.15
+
+
+def kad_id(name: str | bytes) -> int:
+    data = name.encode() if isinstance(name, str) else name
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "big")
+
+
+@dataclass
+class SimPeer:
+    name: str
+    kid: int
+    x: float
+    y: float
+    access_s: float
+    bandwidth: float  # bytes/s
+    coord_error: tuple[float, float, float]
+    # What the peer sent and received, for upkeep figures.
+    messages: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class Lookup:
+    """What one look-up cost and found."""
+
+    closest: list[int]
+    value_holder: int | None
+    messages: int
+    bytes: int
+    hops: int
+    seconds: float
+
+
+@dataclass
+class Network:
+    """The peers and their Kademlia membership; all randomness from `rng`."""
+
+    rng: random.Random
+    median_rtt_s: float = 0.05
+    peers: dict[int, SimPeer] = field(default_factory=dict)
+    _sorted: list[int] = field(default_factory=list)
+    _scale: float = 1.0
+    counts: Counter[str] = field(default_factory=Counter)
+
+    def add(self, name: str, *, member: bool = True) -> SimPeer:
+        """A new peer; a `member` joins the DHT (a client looks things up but stores nothing)."""
+        rng = self.rng
+        cx, cy = (rng.randrange(REGIONS) * 0.2, rng.randrange(2) * 0.5)
+        peer = SimPeer(
+            name,
+            kad_id(name),
+            cx + rng.gauss(0, 0.04),
+            cy + rng.gauss(0, 0.04),
+            rng.lognormvariate(math.log(0.004), 0.6),
+            rng.lognormvariate(math.log(20e6 / 8), 0.7),
+            (rng.gauss(0, COORD_ERROR), rng.gauss(0, COORD_ERROR), rng.gauss(0, COORD_ERROR)),
+        )
+        self.peers[peer.kid] = peer
+        if member:
+            bisect.insort(self._sorted, peer.kid)
+        return peer
+
+    def remove(self, kid: int) -> None:
+        self.peers.pop(kid)
+        at = bisect.bisect_left(self._sorted, kid)
+        if at < len(self._sorted) and self._sorted[at] == kid:
+            del self._sorted[at]
+
+    def calibrate(self, samples: int = 4000) -> None:
+        """Scale round trips so that the median over random pairs is `median_rtt_s`."""
+        self._scale = 1.0
+        kids = list(self.peers)
+        pairs = [self.rtt(*self.rng.sample(kids, 2)) for _ in range(samples)]
+        self._scale = self.median_rtt_s / sorted(pairs)[len(pairs) // 2]
+
+    def rtt(self, a: int, b: int) -> float:
+        pa, pb = self.peers[a], self.peers[b]
+        distance = math.hypot(pa.x - pb.x, pa.y - pb.y)
+        return self._scale * (0.3 * distance + 2 * (pa.access_s + pb.access_s))
+
+    def coords(self, kid: int) -> tuple[float, float, float]:
+        """The peer's network coordinates (x, y, height in seconds) as Vivaldi would settle
+        them: the true ones, each off by a relative error of about COORD_ERROR."""
+        peer = self.peers[kid]
+        ex, ey, eh = peer.coord_error
+        return (
+            self._scale * 0.3 * peer.x * (1 + ex),
+            self._scale * 0.3 * peer.y * (1 + ey),
+            max(0.0, self._scale * 2 * peer.access_s * (1 + eh)),
+        )
+
+    def transfer_s(self, a: int, b: int, size: int) -> float:
+        return size / min(self.peers[a].bandwidth, self.peers[b].bandwidth)
+
+    def exchange(self, a: int, b: int, sent: int, received: int, kind: str) -> float:
+        """One request of `sent` bytes from a and its reply of `received` bytes: both peers'
+        counters move, and the seconds it takes come back."""
+        for kid in (a, b):
+            peer = self.peers[kid]
+            peer.messages += 1
+            peer.bytes += sent + received
+        self.counts[kind] += 2
+        self.counts[f"{kind}_bytes"] += sent + received
+        return self.rtt(a, b) + self.transfer_s(a, b, sent + received)
+
+    # --- Kademlia -----------------------------------------------------------------------------
+
+    def _subtree(self, target: int, prefix_bits: int) -> tuple[int, int]:
+        """Index range in the sorted ids of the subtree sharing `prefix_bits` bits with target."""
+        shift = ID_BITS - prefix_bits
+        low = (target >> shift) << shift if prefix_bits else 0
+        high = low + (1 << shift)
+        return bisect.bisect_left(self._sorted, low), bisect.bisect_left(self._sorted, high)
+
+    def closest(self, target: int, count: int = K) -> list[int]:
+        """The `count` members closest to target by XOR (what the full network knows): they lie
+        in the deepest subtree around target that holds at least `count` members."""
+        low, high = 0, ID_BITS  # subtree sizes shrink as the prefix grows: binary search
+        while low < high:
+            bits = (low + high + 1) // 2
+            lo, hi = self._subtree(target, bits)
+            if hi - lo >= count:
+                low = bits
+            else:
+                high = bits - 1
+        lo, hi = self._subtree(target, low)
+        return sorted(self._sorted[lo:hi], key=lambda kid: kid ^ target)[:count]
+
+    def known_closest(self, node: int, target: int) -> list[int]:
+        """The k peers closest to target in `node`'s routing table."""
+        if node == target:
+            return self.closest(target)[:K]
+        bit = ID_BITS - (node ^ target).bit_length()  # the bucket target falls in
+        lo, hi = self._subtree(target, bit + 1)
+        if hi - lo <= K:
+            known = self._sorted[lo:hi]
+        else:
+            picks = random.Random(node * 131 + bit).sample(range(lo, hi), K)
+            known = [self._sorted[i] for i in picks]
+        if len(known) < K:  # a thin bucket: add our own side's nearest
+            known += [p for p in self.closest(node, K) if p != node][: K - len(known)]
+        return sorted(known, key=lambda kid: kid ^ target)[:K]
+
+    def look_up(
+        self, origin: int, target: int, holds: Callable[[int], int] | None = None
+    ) -> Lookup:
+        """An iterative look-up from `origin`; `holds(kid)` is the size of the value a peer
+        holds under target (0: none), when looking for a value."""
+        shortlist = [p for p in self.known_closest(origin, target) if p != origin]
+        queried: set[int] = {origin}
+        messages = size = hops = 0
+        seconds = 0.0
+        while True:
+            ask = [p for p in shortlist if p not in queried][:ALPHA]
+            if not ask:
+                break
+            hops += 1
+            best_before = shortlist[0] ^ target if shortlist else math.inf
+            round_s = 0.0
+            for peer in ask:
+                queried.add(peer)
+                value = holds(peer) if holds else 0
+                reply = value or K * PEER_ENTRY_BYTES
+                round_s = max(
+                    round_s, self.exchange(origin, peer, REQUEST_BYTES, reply, "kademlia")
+                )
+                messages += 2
+                size += REQUEST_BYTES + reply
+                if value:
+                    return Lookup(shortlist, peer, messages, size, hops, seconds + round_s)
+                shortlist = sorted(
+                    set(shortlist) | set(self.known_closest(peer, target)) - {origin},
+                    key=lambda kid: kid ^ target,
+                )[:K]
+            seconds += round_s
+            if shortlist and shortlist[0] ^ target >= best_before:
+                break
+        return Lookup(shortlist, None, messages, size, hops, seconds)
+
+    def estimate_size(self, closest: list[int], target: int) -> float:
+        """Network size estimated from the k closest ids to target a look-up found."""
+        if not closest:
+            return 1.0
+        farthest = max(kid ^ target for kid in closest) + 1
+        return len(closest) * (1 << ID_BITS) / farthest

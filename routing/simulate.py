@@ -1,0 +1,424 @@
+"""A simulated swarm of volunteer servers and its clients, running the project's real routing
+code (block selection, the planner, bans, signed records, routing.discovery and
+routing.record_store) over routing.netsim's network. routing.simulate_run drives it.
+
+Servers: GPU memory drawn from volunteers' cards, as many blocks of an 80-block 70B-class model
+as fit, a device speed drawn lognormally. A joining server looks up its own id (Kademlia
+bootstrap, and the swarm's size from the ids it finds), reads one shard of the swarm (a uniform
+sample of 1/shards of the servers) and chooses its span with `choose_blocks`, its own throughput
+divided by the shard count so that it weighs against the sample as against the whole swarm. It
+re-checks with `better_span` every recheck period over the same shard, reading only what changed
+(`RecordShard.changes_since`); it stores its signed record at the REPLICAS closest DHT peers of
+its shard key at each of `shard_levels` every publish period (looking them up again every
+RELOOKUP_EVERY publishes, or when one left), and takes LOAD_S to load weights after a join or a
+move (JOINING meanwhile: routes skip it).
+
+Clients: bootstrap, read `client_shards` shards (look-ups side by side), plan `choose_contacts`
+with RTTs estimated from the coordinates in the records, call `info` on those contacts (measured
+RTT; a departed server does not answer; a record its server no longer backs is dropped,
+`live_agrees`), and route over the confirmed records with the measured RTTs. Cost is what
+routing.planner charges (RTT plus compute per hop, credible throughputs) with the true RTTs,
+against the route planned over every live server with every true RTT (the offline optimum).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+
+from routing.block_selection import better_span, blocks_that_fit, choose_blocks
+from routing.discovery import (
+    Cell,
+    SignedRecord,
+    authentic,
+    believe,
+    cell_of,
+    choose_contacts,
+    estimated_rtt,
+    live_agrees,
+    shard_count,
+    shard_key,
+    shard_levels,
+    shard_of,
+    sign_record,
+)
+from routing.netsim import Network, kad_id
+from routing.planner import NoRouteError, plan_route, route_cost
+from routing.record_store import RecordShard
+from routing.records import ServerRecord, SwarmSnapshot
+from routing.speeds import credible_throughputs
+from wire import ServerState
+
+MODEL = "sim-70b"
+NUM_BLOCKS = 80
+GIB = 2**30
+BLOCK_BYTES = int(1.7 * GIB)
+CACHE_BYTES = int(0.3 * GIB)
+GPU_MEMORY_GIB = (8, 12, 16, 24, 24, 40, 48, 80)
+REPLICAS = 3
+PUBLISH_PERIOD_S = 120.0
+RECHECK_PERIOD_S = 120.0
+RELOOKUP_EVERY = 5
+LOAD_S = 30.0
+INFO_BYTES = (40, 320)  # an info request and its reply
+STORE_BYTES = 48  # a store or read request's framing besides what it carries
+INFO_DEADLINE_S = 0.5
+
+
+@dataclass
+class SimServer:
+    keys: KeyPair
+    peer_id: str
+    kid: int
+    span_len: int
+    throughput: float
+    record: ServerRecord | None = None
+    estimate: float = 1.0  # the swarm's size as this server estimated it
+    publishes: int = 0
+    replicas: dict[int, list[int]] = field(default_factory=dict)
+    # The shard this server samples the swarm from, what it holds of it and when it last read.
+    view_key: tuple[int, int] = (0, 1)
+    view: dict[str, ServerRecord] = field(default_factory=dict)
+    view_holder: int | None = None
+    view_read_at: float = -math.inf
+    view_cells: dict[str, Cell] = field(default_factory=dict)
+    cell_estimate: float = 1.0  # servers in our locality cell, as our sample says
+
+
+@dataclass
+class ClientRun:
+    """What one client's way to its first route cost."""
+
+    first_route_s: float = 0.0
+    messages: int = 0
+    bytes: int = 0
+    lookups: int = 0
+    lookup_messages: int = 0
+    lookup_hops: int = 0
+    contacts: int = 0
+    cost_ratio: float = math.inf
+
+
+@dataclass
+class Swarm:
+    """The simulated swarm: servers, the records DHT nodes keep, and an event queue."""
+
+    peers: int
+    seed: int = 0
+    median_rtt_s: float = 0.05
+    client_shards: int = 8
+    rng: random.Random = field(init=False)
+    net: Network = field(init=False)
+    servers: dict[int, SimServer] = field(default_factory=dict)
+    stores: dict[int, dict[int, RecordShard]] = field(default_factory=dict)
+    now: float = 0.0
+    _events: list[tuple[float, int, str, int]] = field(default_factory=list)
+    _seq: int = 0
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        self.net = Network(random.Random(self.seed + 1), self.median_rtt_s)
+
+    # --- servers ------------------------------------------------------------------------------
+
+    def new_server(self) -> SimServer:
+        keys = create_new_key_pair(self.rng.randbytes(32))
+        peer_id = ID.from_pubkey(keys.public_key).to_base58()
+        peer = self.net.add(peer_id)
+        memory = self.rng.choice(GPU_MEMORY_GIB) * GIB * 8 // 10
+        span_len = max(1, blocks_that_fit(memory, BLOCK_BYTES, CACHE_BYTES, NUM_BLOCKS))
+        speed = self.rng.lognormvariate(7.0, 0.6)  # block steps/s of the device
+        server = SimServer(keys, peer_id, peer.kid, span_len, speed / span_len)
+        self.servers[peer.kid] = server
+        self.stores[peer.kid] = {}
+        return server
+
+    def bootstrap(self, kid: int) -> tuple[float, float]:
+        """A Kademlia self look-up: the swarm's estimated size and the seconds it took."""
+        found = self.net.look_up(kid, kid)
+        return self.net.estimate_size(found.closest, kid), found.seconds
+
+    def holder_of(
+        self, origin: int, key: int, out: ClientRun | None = None
+    ) -> tuple[int | None, float]:
+        """Look `key` up from `origin` until a peer that keeps records under it answers."""
+
+        def holds(kid: int) -> int:
+            shard = self.stores.get(kid, {}).get(key)
+            return sum(len(r) for r in shard.records(self.now)) + 16 if shard else 0
+
+        found = self.net.look_up(origin, key, holds)
+        if out is not None:
+            out.lookups += 1
+            out.lookup_messages += found.messages
+            out.lookup_hops += found.hops
+            out.messages += found.messages
+            out.bytes += found.bytes
+        return found.value_holder, found.seconds
+
+    def read_view(self, server: SimServer) -> float:
+        """Bring the server's sample of the swarm up to date; return the shard count."""
+        shards = shard_count(server.estimate)
+        index = shard_of(server.peer_id, shards) if server.view_key[1] != shards else None
+        if index is not None:  # a new shard count: sample the shard we are in ourselves
+            server.view_key, server.view, server.view_read_at = (index, shards), {}, -math.inf
+            server.view_cells = {}
+        key = kad_id(shard_key(MODEL, *server.view_key))
+        if server.view_holder not in self.stores or key not in self.stores[server.view_holder]:
+            server.view_holder, _ = self.holder_of(server.kid, key)
+            server.view_read_at = -math.inf
+        if server.view_holder is None:
+            return shards
+        changes = self.stores[server.view_holder][key].changes_since(server.view_read_at, self.now)
+        self.net.exchange(server.kid, server.view_holder, STORE_BYTES, changes.size, "read")
+        if changes.whole:
+            server.view = {}
+        for peer_id in changes.gone:
+            server.view.pop(peer_id, None)
+        for signed in changes.records:
+            record, coords = authentic(signed)  # the holder believed it; so do we (signature)
+            server.view[record.peer_id] = record
+            if coords is not None:
+                server.view_cells[record.peer_id] = cell_of(coords)
+        server.view_read_at = self.now
+        mine = cell_of(self.net.coords(server.kid))
+        near = sum(1 for p in server.view if server.view_cells.get(p) == mine)
+        server.cell_estimate = max(1.0, near * shards)
+        return shards
+
+    def sampled_view(self, server: SimServer) -> tuple[SwarmSnapshot, float]:
+        shards = self.read_view(server)
+        others = tuple(r for p, r in server.view.items() if p != server.peer_id)
+        return SwarmSnapshot(MODEL, NUM_BLOCKS, others), shards
+
+    def join(self, server: SimServer) -> None:
+        server.estimate, _ = self.bootstrap(server.kid)
+        view, shards = self.sampled_view(server)
+        self.place(server, choose_blocks(view, server.span_len, server.throughput / shards))
+
+    def place(self, server: SimServer, span: tuple[int, int]) -> None:
+        server.record = ServerRecord(
+            peer_id=server.peer_id,
+            model=MODEL,
+            start=span[0],
+            end=span[1],
+            throughput=server.throughput,
+            free_cache_tokens=8192,
+            state=ServerState.JOINING,
+            version="0.1.0",
+            addrs=("/ip4/10.0.0.1/tcp/4001",),
+        )
+        self.publish(server)
+        self.schedule(LOAD_S, "online", server.kid)
+
+    def publish(self, server: SimServer) -> None:
+        """Store the server's signed record at the REPLICAS closest peers of its shard key at
+        each shard level."""
+        assert server.record is not None
+        record = replace(
+            server.record, updated_at=self.now, expires_at=self.now + 2 * PUBLISH_PERIOD_S + 12
+        )
+        server.record = record
+        signed = sign_record(record, server.keys.private_key, self.net.coords(server.kid))
+        server.publishes += 1
+        cell = cell_of(self.net.coords(server.kid))
+        for shards in shard_levels(shard_count(server.estimate)):
+            self._store(server, signed, shard_of(server.peer_id, shards), shards, None)
+        for shards in shard_levels(shard_count(server.cell_estimate)):
+            self._store(server, signed, shard_of(server.peer_id, shards), shards, cell)
+
+    def _store(
+        self, server: SimServer, signed: SignedRecord, index: int, shards: int, cell: Cell | None
+    ) -> None:
+        key = kad_id(shard_key(MODEL, index, shards, cell=cell))
+        replicas = server.replicas.get(key, [])
+        stale = any(kid not in self.stores for kid in replicas)
+        if not replicas or stale or server.publishes % RELOOKUP_EVERY == 0:
+            replicas = self.net.look_up(server.kid, key).closest[:REPLICAS] or [server.kid]
+            server.replicas[key] = replicas
+        for replica in replicas:
+            if replica != server.kid:
+                self.net.exchange(server.kid, replica, len(signed) + STORE_BYTES, 8, "store")
+            kept = self.stores[replica]
+            if key not in kept:
+                kept[key] = RecordShard(MODEL, NUM_BLOCKS, index, shards, cell=cell)
+            kept[key].offer(signed, self.now)
+
+    def recheck(self, server: SimServer) -> None:
+        assert server.record is not None
+        if server.record.state is not ServerState.ONLINE:
+            return
+        if server.publishes % RELOOKUP_EVERY == 0:
+            server.estimate, _ = self.bootstrap(server.kid)
+        view, shards = self.sampled_view(server)
+        me = replace(server.record, throughput=server.throughput / shards)
+        span = better_span(view.with_record(me), me)
+        if span is not None:
+            self.place(server, span)
+
+    def leave(self, kid: int) -> None:
+        self.servers.pop(kid)
+        self.net.remove(kid)
+        del self.stores[kid]
+
+    # --- events -------------------------------------------------------------------------------
+
+    def schedule(self, delay: float, kind: str, kid: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (self.now + delay, self._seq, kind, kid))
+
+    def handle(self, kind: str, kid: int) -> None:
+        server = self.servers.get(kid)
+        if server is not None and kind == "join":
+            self.start_server(server)
+        if server is None or server.record is None:
+            return
+        if kind == "online" and server.record.state is ServerState.JOINING:
+            if self.now >= server.record.updated_at + LOAD_S - 1e-9:
+                server.record = replace(server.record, state=ServerState.ONLINE)
+                self.publish(server)
+        elif kind == "publish":
+            self.publish(server)
+            self.schedule(PUBLISH_PERIOD_S * self.rng.uniform(0.9, 1.0), "publish", kid)
+        elif kind == "recheck":
+            self.recheck(server)
+            self.schedule(RECHECK_PERIOD_S * self.rng.uniform(0.5, 1.5), "recheck", kid)
+
+    def start_server(self, server: SimServer) -> None:
+        self.join(server)
+        self.schedule(PUBLISH_PERIOD_S * self.rng.uniform(0.5, 1.0), "publish", server.kid)
+        self.schedule(RECHECK_PERIOD_S * self.rng.uniform(0.5, 1.5), "recheck", server.kid)
+
+    def truth(self) -> SwarmSnapshot:
+        records = [s.record for s in self.servers.values() if s.record is not None]
+        return SwarmSnapshot(MODEL, NUM_BLOCKS, tuple(records))
+
+    def advance(self, until: float) -> None:
+        while self._events and self._events[0][0] <= until:
+            at, _, kind, kid = heapq.heappop(self._events)
+            self.now = at
+            self.handle(kind, kid)
+        self.now = until
+
+    # --- clients ------------------------------------------------------------------------------
+
+    def client(self, name: str) -> ClientRun | None:
+        """One client's way to its first route; None if it found none."""
+        peer = self.net.add(name, member=False)
+        try:
+            return self._route(peer.kid)
+        finally:
+            self.net.remove(peer.kid)
+
+    def _read(self, kid: int, keys: list[bytes], out: ClientRun) -> list[SignedRecord]:
+        """Read the shards under `keys` side by side (the slowest look-up counts)."""
+        fetched: list[SignedRecord] = []
+        slowest = 0.0
+        for name in keys:
+            key = kad_id(name)
+            holder, seconds = self.holder_of(kid, key, out)
+            if holder is not None:
+                fetched += self.stores[holder][key].records(self.now)
+            slowest = max(slowest, seconds)
+        out.first_route_s += slowest
+        return fetched
+
+    def _fetch(self, kid: int, out: ClientRun) -> list[SignedRecord]:
+        """Bootstrap, read one shard of the whole swarm, then shards of our own locality cell
+        (how many servers it has: from the first shard's census)."""
+        estimate, out.first_route_s = self.bootstrap(kid)
+        shards = shard_count(estimate)
+        index = self.rng.randrange(shards)
+        fetched = self._read(kid, [shard_key(MODEL, index, shards)], out)
+        mine = cell_of(self.net.coords(kid))
+        near = sum(1 for s in fetched if (c := authentic(s)[1]) is not None and cell_of(c) == mine)
+        subs = shard_count(max(1.0, near * shards))
+        picked = self.rng.sample(range(subs), min(subs, self.client_shards))
+        return fetched + self._read(
+            kid, [shard_key(MODEL, i, subs, cell=mine) for i in picked], out
+        )
+
+    def _route(self, kid: int) -> ClientRun | None:
+        out = ClientRun()
+        fetched = self._fetch(kid, out)
+        believed = believe(
+            [(None, s) for s in fetched], model=MODEL, num_blocks=NUM_BLOCKS, now=self.now
+        )
+        own = self.net.coords(kid)
+        estimates = {p: estimated_rtt(own, c) for p, c in believed.coords.items()}
+        try:
+            contacts = choose_contacts(
+                believed.snapshot, rtts=estimates, now=self.now, rng=self.rng
+            )
+            first = {h.peer_id for h in plan_route(believed.snapshot, rtts=estimates)}
+        except NoRouteError:
+            return None
+        answers = self._ask(kid, believed.snapshot, contacts, out)
+        # Plan once the servers of the route the estimates preferred answered (or the deadline
+        # passed), over every answer in by then.
+        ready = min(INFO_DEADLINE_S, max(answers.get(p, (math.inf,))[0] for p in first))
+        confirmed = {p: a for p, a in answers.items() if a[0] <= ready}
+        snapshot = SwarmSnapshot(MODEL, NUM_BLOCKS, tuple(a[1] for a in confirmed.values()))
+        try:
+            route = plan_route(snapshot, rtts={p: a[0] for p, a in confirmed.items()})
+        except NoRouteError:
+            return None
+        out.first_route_s += ready
+        out.contacts = len(contacts)
+        out.cost_ratio = self._cost_ratio(kid, route)
+        return out
+
+    def _ask(
+        self, kid: int, snapshot: SwarmSnapshot, contacts: list[str], out: ClientRun
+    ) -> dict[str, tuple[float, ServerRecord]]:
+        """`info` to every contact at once: per answering server, when it answered and its live
+        record (if it backs the one it published)."""
+        answers: dict[str, tuple[float, ServerRecord]] = {}
+        for peer_id in contacts:
+            server = self.servers.get(kad_id(peer_id))
+            out.messages += 1
+            out.bytes += INFO_BYTES[0]
+            if server is None or server.record is None:  # gone: no answer
+                continue
+            took = self.net.exchange(kid, server.kid, *INFO_BYTES, "info")
+            out.messages += 1
+            out.bytes += INFO_BYTES[1]
+            if live_agrees(snapshot.by_peer[peer_id], server.record):
+                answers[peer_id] = (took, server.record)
+        return answers
+
+    def _cost_ratio(self, kid: int, route: Any) -> float:
+        """The route's cost against the offline optimum, both charged with true RTTs."""
+        truth = self.truth()
+        credible = credible_throughputs(truth.records)
+        rtts = {r.peer_id: self.net.rtt(kid, kad_id(r.peer_id)) for r in truth.records}
+        best = plan_route(_pareto(truth, rtts, credible), rtts=rtts)
+        mine = route_cost(route, rtts=rtts, throughputs=credible)
+        return mine / route_cost(best, rtts=rtts, throughputs=credible)
+
+
+def _pareto(
+    truth: SwarmSnapshot, rtts: dict[str, float], credible: dict[str, float]
+) -> SwarmSnapshot:
+    """`truth` less the servers no optimal route needs: of servers of one span, one is never
+    better than another with a lower RTT and a higher throughput (so planning stays fast at
+    10,000 servers), throughputs lowered to the credible ones of the whole swarm."""
+    by_span: dict[tuple[int, int], list[ServerRecord]] = {}
+    for record in truth.records:
+        if record.state is ServerState.ONLINE:
+            by_span.setdefault(record.span, []).append(record)
+    kept: list[ServerRecord] = []
+    for records in by_span.values():
+        best = -math.inf
+        for record in sorted(records, key=lambda r: rtts[r.peer_id]):
+            if credible[record.peer_id] > best:
+                best = credible[record.peer_id]
+                kept.append(replace(record, throughput=best))
+    return SwarmSnapshot(MODEL, NUM_BLOCKS, tuple(kept))
