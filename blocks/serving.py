@@ -3,13 +3,14 @@ and KV cache, and the weight quantization (`peerd start --device --dtype --quant
 
 `auto` resolves against the machine: `--device auto` is the first CUDA GPU, else Apple's MPS,
 else the CPU; `--dtype auto` is half precision where the device runs it fast (bfloat16 on a CUDA
-GPU that has it, else float16, as Petals does; float16 on MPS) and float32 on a CPU, whose
-kernels run bfloat16 slower than float32 on most machines (docs/blocks.md has the figures).
+GPU that has it, else float16, as Petals does; float16 on MPS); on a CPU, whichever of float32
+and bfloat16 one block of the model decodes faster in, measured once (docs/blocks.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -21,6 +22,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 QUANTS = ("none", "int8", "nf4")
+# --dtype auto on a CPU: bfloat16 only when clearly faster (it also rounds more).
+AUTO_MARGIN = 0.1
 GPU_RESERVE = 0.1  # of the free GPU memory, kept for activations and allocator fragmentation
 
 
@@ -46,10 +49,35 @@ class Serving:
         return f"{self.device} {self.dtype_name}{quant}"
 
 
-def resolve_serving(device: str = "cpu", dtype: str = "float32", quant: str = "none") -> Serving:
-    """The Serving of `peerd start`'s flags, or ServingError saying what to give instead."""
+def resolve_serving(
+    device: str = "cpu",
+    dtype: str = "float32",
+    quant: str = "none",
+    checkpoint: str | Path | None = None,
+) -> Serving:
+    """The Serving of `peerd start`'s flags, or ServingError saying what to give instead. With a
+    `checkpoint`, `--dtype auto` on a CPU is the faster of float32 and bfloat16 for its blocks
+    (fastest_cpu_dtype); without one, float32."""
     resolved = resolve_device(device)
-    return Serving(resolved, resolve_dtype(dtype, resolved), resolve_quant(quant, resolved))
+    quant = resolve_quant(quant, resolved)
+    if dtype.strip().lower() == "auto" and resolved == "cpu" and checkpoint is not None:
+        return Serving(resolved, fastest_cpu_dtype(checkpoint, quant), quant)
+    return Serving(resolved, resolve_dtype(dtype, resolved), quant)
+
+
+def fastest_cpu_dtype(checkpoint: str | Path, quant: str = "none") -> torch.dtype:
+    """bfloat16 if one block of `checkpoint` decodes at least AUTO_MARGIN faster in it than in
+    float32 on this CPU (CPUs with AMX or AVX-512 BF16 do; most others run it slower), else
+    float32. Each figure is measured once and kept in the throughput cache."""
+    from blocks.span import load_span
+    from blocks.throughput import measure_throughput
+
+    speeds = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        span = load_span(checkpoint, 0, 1, dtype, "cpu", quant=quant)
+        speeds[dtype] = measure_throughput(span).decode_tps
+    faster = speeds[torch.bfloat16] >= speeds[torch.float32] * (1 + AUTO_MARGIN)
+    return torch.bfloat16 if faster else torch.float32
 
 
 def resolve_device(text: str) -> str:

@@ -18,6 +18,7 @@ import blocks
 from blocks.memory import _meta_block
 from blocks.quant import held_bytes, quantize_linears
 from blocks.serving import ServingError, resolve_serving
+from blocks.throughput import _record_path, _write_record
 from peerd.daemon.main import blocks_to_serve
 from peerd.session.generation import Generator
 from peerd.session.inference import InferenceSession
@@ -136,6 +137,7 @@ def perplexity(client: blocks.ClientSide, ids: torch.Tensor, hidden: torch.Tenso
 
 PROMPT = "The keeper climbed the stairs of the lighthouse at dusk and"
 NEW_TOKENS = 32
+PIECE = 256  # prompt tokens per step when the swarm reads the whole text
 
 
 @pytest.fixture(scope="module")
@@ -176,13 +178,15 @@ async def test_three_bfloat16_servers_decode_greedily_as_transformers_does(
 async def swarm_perplexity(
     checkpoint: Path, client: blocks.ClientSide, dtype: torch.dtype, quant: str
 ) -> float:
-    """Perplexity of the shipped text through three in-process servers, in one prefill."""
+    """Perplexity of the shipped text through three in-process servers, prefilled in steps of
+    PIECE tokens (each well within a step's deadline on a loaded 2-core machine)."""
     ids = client.tokenizer(TEXT.read_text(), return_tensors="pt")["input_ids"]
     async with open_memnet() as net:
         view = serve_thirds(net, checkpoint, dtype, quant)
         async with InferenceSession(view, max_length=ids.shape[1]) as session:
-            hidden = await session.step(client.embed(ids))
-    return perplexity(client, ids, hidden)
+            embedded = client.embed(ids)
+            pieces = [await session.step(p) for p in embedded.split(PIECE, dim=1)]
+    return perplexity(client, ids, torch.cat(pieces, dim=1))
 
 
 @pytest.mark.slow
@@ -237,3 +241,22 @@ def test_lora_applies_on_nf4_base_weights_as_peft_on_their_dequantized_values(
     assert_close_scaled(ours, expected[blocks_used], rel=1e-2)
     changed = float((ours - plain).abs().max())
     assert changed > 1e-3 * float(ours.abs().max()), "the adapter must change the output"
+
+
+@pytest.mark.parametrize(("bf16_speedup", "chosen"), [(2.0, BF16), (1.05, torch.float32)])
+def test_dtype_auto_on_a_cpu_takes_bfloat16_only_where_it_decodes_clearly_faster(
+    checkpoint: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    bf16_speedup: float,
+    chosen: torch.dtype,
+) -> None:
+    """The choice follows the throughput records of one block in each dtype (here written
+    beforehand, as an earlier measurement on this machine would have left them)."""
+    monkeypatch.setenv("PEERD_CACHE_DIR", str(tmp_path))
+    for dtype, speed in ((torch.float32, 10.0), (BF16, 10.0 * bf16_speedup)):
+        span = blocks.load_span(checkpoint, 0, 1, dtype)
+        path = _record_path(span, None, tmp_path / "throughput")
+        _write_record(path, blocks.Throughput(speed, 100.0, torch.get_num_threads(), 0.0))
+    serving = resolve_serving("cpu", "auto", "none", checkpoint)
+    assert serving == blocks.Serving("cpu", chosen, "none")

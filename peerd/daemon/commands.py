@@ -202,17 +202,24 @@ def _daemon_config(flags: dict[str, Any]) -> DaemonConfig:
         flags["blocks"] = None  # serve nothing: a pure client of the swarm
     for many in ("initial_peers", "host_maddrs", "adapters", "announce_maddrs", "client_models"):
         flags[many] = list(flags[many])
-    flags["serving"] = _serving(flags.pop("device"), flags.pop("dtype"), flags.pop("quant"))
+    on = (flags.pop("device"), flags.pop("dtype"), flags.pop("quant"))
+    flags["serving"] = _serving(*on, flags["model"])
     return DaemonConfig(**flags)
 
 
-def _serving(device: str, dtype: str, quant: str) -> Any:
-    """--device, --dtype and --quant resolved on this machine (blocks.serving), or the flag
-    to change and why."""
+def _serving(device: str, dtype: str, quant: str, model: str) -> Any:
+    """--device, --dtype and --quant resolved on this machine for `model` (blocks.serving), or
+    the flag to change and why."""
+    import contextlib
+
     import blocks
 
+    checkpoint = None
+    # --dtype auto on a CPU measures this model's blocks; a bad --model is the daemon's to report.
+    with contextlib.suppress(blocks.BlocksError):
+        checkpoint = blocks.resolve_checkpoint(model) if dtype.strip() == "auto" else None
     try:
-        return blocks.resolve_serving(device, dtype, quant)
+        return blocks.resolve_serving(device, dtype, quant, checkpoint)
     except blocks.ServingError as e:
         flag, _, why = str(e).partition(": ")
         raise typer.BadParameter(why, param_hint=flag.split(" ")[0]) from None
