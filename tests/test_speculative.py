@@ -16,10 +16,11 @@ import torch
 
 import blocks
 import wire
-from peerd.session.drafting import Draft
+from peerd.session.drafting import Draft, lookup
 from peerd.session.generation import Generator
 from peerd.session.inference import InferenceSession
 from peerd.session.speculative import (
+    Adaptive,
     Fixed,
     Speculation,
     SpeculativeDecoder,
@@ -150,6 +151,8 @@ class _FixedDraft:
     must give plain sampling's distribution whatever q is; one near p makes drafts both stand
     and fall, and costs no model run, so 2,000 runs take seconds)."""
 
+    cheap = True
+
     def __init__(self, q: torch.Tensor) -> None:
         self.q = q
 
@@ -255,3 +258,42 @@ def test_the_client_library_and_the_model_speculate_to_plain_greedys_tokens(
             for bad, says in (("sometimes", "give auto, ngram"), ("draft:/nowhere", "config")):
                 with pytest.raises(PeerdError, match=says):
                     client.generate_full(input_ids=PROMPT, max_new_tokens=2, speculate=bad)
+
+
+def test_the_gateway_takes_speculate_but_never_a_draft_model_path() -> None:
+    """The web APIs pass `speculate` on (auto by default); a draft model's path is the daemon
+    operator's choice, so a request naming one is refused."""
+    import pydantic
+
+    from peerd.gateway.openai_api import CompletionRequest
+    from peerd.gateway.petals import V1Request
+
+    assert V1Request(inputs="hi").sampling(4).speculate == "auto"
+    assert V1Request(inputs="hi", speculate="off").sampling(4).speculate == "off"
+    assert CompletionRequest(prompt="hi", speculate="ngram").sampling(4).speculate == "ngram"
+    for bad in ({"inputs": "hi", "speculate": "draft:/etc"}, {"inputs": "hi", "speculate": 3}):
+        with pytest.raises(pydantic.ValidationError):
+            V1Request(**bad)
+    with pytest.raises(pydantic.ValidationError):
+        CompletionRequest(prompt="hi", speculate="draft:/home/someone/model")
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # latest 3-gram match
+    assert lookup([4, 5, 6, 4, 5], 3) == [6, 4, 5]
+    assert lookup([4, 5, 6, 7, 5], 3) == []  # a one-token match proposes nothing
+    assert lookup([1, 2], 4) == [] and lookup([1, 2, 1, 2], 0) == []
+
+
+def test_auto_drafts_where_it_pays_and_turns_itself_off_where_it_does_not() -> None:
+    """Passes timed as a chain whose latency dwarfs a token's compute (a WAN): with drafts that
+    mostly stand, auto drafts many a pass; once they mostly fall, none (but for its probes).
+    Where every extra token costs as much as a pass (a slow server), none either."""
+    wan, slow = Adaptive(), Adaptive()
+    for k, accepted in [(4, 4), (2, 2), (6, 5), (3, 3), (5, 5), (1, 1)] * 4:
+        for policy, per_token in ((wan, 0.002), (slow, 0.1)):
+            policy.record(k + 1, k, accepted, 0.1 + per_token * k)
+    assert wan.k() == wan.max_k and slow.k() == 0
+    for _ in range(30):
+        wan.record(4, 3, 0, 0.1 + 0.002 * 3)
+    assert [wan.k() for _ in range(16)].count(0) == 15  # off, probing once in 16 passes

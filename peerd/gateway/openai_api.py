@@ -86,6 +86,9 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     logprobs: Any = None
     user: str | None = None
+    # Speculative decoding (peerd's extension, as repetition_penalty is vLLM's): no draft model
+    # path from the web, see petals.py.
+    speculate: Literal["auto", "ngram", "off"] = "auto"
 
     @model_validator(mode="after")
     def _supported(self) -> _Request:
@@ -121,6 +124,7 @@ class _Request(BaseModel):
             repetition_penalty=self.repetition_penalty or 1.0,
             seed=self.seed,
             stop=self.stop_sequences(),
+            speculate=self.speculate,
         )
 
     @property

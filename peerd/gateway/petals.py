@@ -81,6 +81,9 @@ class _Sampling(BaseModel):
     max_length: int | None = Field(default=None, ge=1, le=MAX_SESSION_TOKENS)
     max_new_tokens: int | None = Field(default=None, ge=1, le=MAX_NEW_TOKENS)
     seed: int | None = Field(default=None, ge=0, le=(1 << 64) - 1)
+    # Speculative decoding (same output, fewer passes); a draft model is the daemon's operator's
+    # choice (`peerd generate --speculate draft:PATH`), never a web page's: no path here.
+    speculate: Literal["auto", "ngram", "off"] = "auto"
 
     def sampling(self, max_new_tokens: int, stop: tuple[str, ...] = ()) -> Sampling:
         greedy = not self.do_sample or self.temperature == 0.0 or self.top_p == 0.0
@@ -93,6 +96,7 @@ class _Sampling(BaseModel):
             repetition_penalty=self.repetition_penalty or 1.0,
             seed=self.seed,
             stop=stop,
+            speculate=self.speculate,
         )
 
 

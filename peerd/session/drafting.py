@@ -20,11 +20,11 @@ import torch
 
 from peerd.session.sampling import SamplingParams, apply_repetition_penalty, logits_to_probs
 
-# Longest and shortest suffix of the text that prompt lookup looks for earlier in it (as
-# transformers' prompt lookup does, the longest match found wins; a one-token match is weak,
-# the acceptance rate tells `auto` whether it pays).
+# Longest and shortest suffix of the text that prompt lookup looks for earlier in it (the
+# longest match found wins). A one-token match is mostly chance in open text: its drafts would
+# fall and cost the servers compute, so none is proposed on one.
 MAX_NGRAM = 3
-MIN_NGRAM = 1
+MIN_NGRAM = 2
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,8 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """Proposes up to `k` tokens to follow `sequence` (the whole text so far)."""
+    """Proposes up to `k` tokens to follow `sequence` (the whole text so far). Runs in a worker
+    thread unless it has `cheap = True` (no model: faster than the hand-off)."""
 
     def propose(
         self, sequence: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
@@ -47,6 +48,8 @@ class Drafter(Protocol):
 class PromptLookup:
     """Prompt lookup decoding: find the latest earlier occurrence of the text's last n tokens
     (n from MAX_NGRAM down to MIN_NGRAM) and propose the k tokens that followed it."""
+
+    cheap = True  # a list search: run on the event loop, not in a worker thread
 
     def propose(
         self, sequence: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
@@ -138,13 +141,17 @@ class DraftModel:
         return torch.cat([logits, pad])
 
 
+class DraftModelError(ValueError):
+    """A draft model that cannot be used; the message says what to do."""
+
+
 _loaded: dict[str, Any] = {}
 _loading = threading.Lock()
 
 
 def load_draft_model(path: str, tokenizer: Callable[[], Any]) -> Any:
     """The causal LM at `path` (a local checkpoint directory), loaded once per process. Raises
-    ValueError saying what to do when it is not one, or when it has a tokenizer and that is not
+    DraftModelError saying what to do when it is not one, or when it has a tokenizer and that is not
     `tokenizer()` (the target model's, asked for only then)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -154,14 +161,14 @@ def load_draft_model(path: str, tokenizer: Callable[[], Any]) -> Any:
         if key in _loaded:
             return _loaded[key]
         if not (directory / "config.json").is_file():
-            raise ValueError(
+            raise DraftModelError(
                 f"draft model {path!r}: no config.json there; give the directory of a small "
                 "local checkpoint with this model's tokenizer (--speculate draft:PATH)"
             )
         if any(directory.glob("tokenizer*")):
             theirs = AutoTokenizer.from_pretrained(key, local_files_only=True)
             if theirs.get_vocab() != tokenizer().get_vocab():
-                raise ValueError(
+                raise DraftModelError(
                     f"draft model {path!r} has another tokenizer than the model it drafts for: "
                     "its tokens would mean other text; pick a checkpoint of the same family"
                 )
@@ -170,7 +177,7 @@ def load_draft_model(path: str, tokenizer: Callable[[], Any]) -> Any:
                 key, local_files_only=True, dtype=torch.float32
             )
         except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"draft model {path!r} could not be loaded: {e}") from e
+            raise DraftModelError(f"draft model {path!r} could not be loaded: {e}") from e
         model.eval()
         _loaded[key] = model
         return model

@@ -19,6 +19,7 @@ pay, probing now and then in case the text turned repetitive.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
@@ -87,27 +88,57 @@ class Fixed:
         self.accepted += accepted
 
 
-# How fast Adaptive forgets: the weight of the last pass in its estimates.
+# How fast Adaptive forgets its acceptance rate: the weight of the last pass.
 DECAY = 0.1
 # While off, one pass in this many drafts a single token to see whether the text changed.
 PROBE_EVERY = 16
-# Before any multi-token pass was timed, an extra token is taken to cost this fraction of a
-# one-token pass (a server's forward of a few tokens costs about as much as one).
-PRIOR_TOKEN_COST = 0.05
+# Passes whose timing the cost model is fitted to (the latest ones).
+COST_WINDOW = 24
+# Until the passes timed differ enough in length to tell latency from per-token cost, an extra
+# token is taken to cost this fraction of a one-token pass: about what a forward of a few more
+# tokens costs a CPU server (a GPU's is less; the fit finds out).
+PRIOR_TOKEN_COST = 0.15
+
+
+@dataclass
+class PassCost:
+    """T(m) = latency + (m - 1) * per_token: the seconds of a pass of m tokens, a least-squares
+    line through the latest passes' timings (the prior ratio while their lengths barely vary)."""
+
+    timings: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.timings.append((tokens, seconds))
+
+    def fit(self) -> tuple[float, float] | None:
+        """(latency, per_token) seconds; None before any pass was timed."""
+        if not self.timings:
+            return None
+        n = len(self.timings)
+        mean_m = sum(m for m, _ in self.timings) / n
+        mean_t = sum(t for _, t in self.timings) / n
+        var_m = sum((m - mean_m) ** 2 for m, _ in self.timings) / n
+        if var_m >= 1.0:
+            cov = sum((m - mean_m) * (t - mean_t) for m, t in self.timings) / n
+            per_token = min(max(cov / var_m, 0.0), mean_t)
+            latency = mean_t - per_token * (mean_m - 1)
+            if latency > 0:
+                return latency, per_token
+        latency = mean_t / (1 + PRIOR_TOKEN_COST * (mean_m - 1))
+        return latency, PRIOR_TOKEN_COST * latency
 
 
 @dataclass
 class Adaptive:
-    """`auto`: the k that maximises expected tokens per second of a pass, E(k) / T(k), with
-    E(k) = (1 - a^(k+1)) / (1 - a) for acceptance rate a (each draft stands with probability
-    a given the ones before it did) and T(k) = latency + k * token_cost (+ drafting time),
-    latency and token_cost measured from the passes so far. k = 0 turns speculation off."""
+    """`auto`: the k that maximises expected tokens per second of a pass, E(k) / T(k + 1), with
+    E(k) = 1 + a + ... + a^k for acceptance rate a (each draft stands with probability a once
+    the ones before it did) and T the pass cost fitted to the passes timed so far (PassCost).
+    k = 0 turns speculation off."""
 
     max_k: int = DEFAULT_TOKENS["auto"]
     successes: float = 1.0  # a prior of one draft in two standing
     trials: float = 2.0
-    latency: float | None = None  # seconds of a one-token pass
-    token_cost: float | None = None  # seconds each extra token adds to a pass
+    cost: PassCost = field(default_factory=PassCost)
     off_passes: int = 0
     passes: int = 0
     accepted: int = 0
@@ -125,12 +156,14 @@ class Adaptive:
         return best
 
     def _best(self) -> int:
-        if self.latency is None:
-            return self.max_k  # no timing yet: the first passes find out
-        cost = self.token_cost if self.token_cost is not None else PRIOR_TOKEN_COST * self.latency
-        latency, rate = self.latency, self.rate
+        fitted = self.cost.fit()
+        if fitted is None:
+            return max(1, self.max_k // 2)  # no timing yet: the first passes find out
+        latency, per_token = fitted
+        rate = self.rate
         return max(
-            range(self.max_k + 1), key=lambda k: expected_tokens(rate, k) / (latency + k * cost)
+            range(self.max_k + 1),
+            key=lambda k: expected_tokens(rate, k) / (latency + k * per_token),
         )
 
     def record(self, tokens: int, drafts: int, accepted: int, seconds: float | None) -> None:
@@ -140,25 +173,14 @@ class Adaptive:
             trials = accepted + (1 if accepted < drafts else 0)
             self.successes = (1 - DECAY) * self.successes + accepted
             self.trials = (1 - DECAY) * self.trials + trials
-        if seconds is None:
-            return
-        if tokens == 1:
-            self.latency = _smoothed(self.latency, seconds)
-        elif self.latency is not None:
-            extra = max(seconds - self.latency, 0.0) / (tokens - 1)
-            self.token_cost = _smoothed(self.token_cost, extra)
-        else:  # only multi-token passes so far: take all of it as latency until a plain one
-            self.latency = seconds
+        if seconds is not None:
+            self.cost.add(tokens, seconds)
 
 
 def expected_tokens(rate: float, k: int) -> float:
     """Tokens one pass with k drafts yields on average when each draft stands with probability
     `rate` once the ones before it did (the pass's own token included)."""
     return sum(rate**i for i in range(k + 1))
-
-
-def _smoothed(old: float | None, new: float) -> float:
-    return new if old is None else (1 - 2 * DECAY) * old + 2 * DECAY * new
 
 
 def policy_for(speculation: Speculation) -> Policy:
@@ -287,9 +309,10 @@ class SpeculativeDecoder:
     async def _draft(self, sequence: list[int], k: int) -> Draft:
         if k <= 0:
             return Draft([])
-        return await trio.to_thread.run_sync(
-            self.drafter.propose, list(sequence), k, self.params, self.generator
-        )
+        args = (list(sequence), k, self.params, self.generator)
+        if getattr(self.drafter, "cheap", False):  # microseconds: less than a hand-off costs
+            return self.drafter.propose(*args)
+        return await trio.to_thread.run_sync(self.drafter.propose, *args)
 
     def _verify(self, rows: torch.Tensor, sequence: list[int], draft: Draft) -> tuple[int, int]:
         with torch.inference_mode():
