@@ -17,7 +17,7 @@ from blocks import MemoryCache, SpanSession
 from peerd.daemon.contributions import Contradictions
 from peerd.daemon.metrics import _standing, render
 from peerd.server.admission import Admission
-from peerd.server.batching import StepBatcher
+from peerd.server.batching import PRIORITY_TURN_TOKENS, StepBatcher
 from peerd.server.block_server import BlockServer
 from peerd.server.compute import ComputeQueue
 from peerd.server.priority import TAKER_SHARE, Priority
@@ -235,6 +235,24 @@ async def test_the_batcher_runs_a_contributors_step_before_a_takers(
     finally:
         span.chunk_tokens = blocks.span.PREFILL_CHUNK_TOKENS
     assert done == (["contributor", "taker"] if enabled else ["taker", "contributor"])
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["standing", "fifo"])
+async def test_by_standing_a_long_prefill_runs_in_short_turns(
+    span: blocks.Span, enabled: bool
+) -> None:
+    """A contributor's step cannot preempt a turn under way: by standing, turns of a long step
+    are PRIORITY_TURN_TOKENS long (fifo: a whole chunk), with the same result."""
+    cache = MemoryCache(budget_tokens=10_000)
+    prompt = torch.randn(1, 3 * PRIORITY_TURN_TOKENS + 8, 32)
+    assert span.chunk_tokens >= prompt.shape[1]
+    with cache.open_session(1, 256) as reference:
+        want = span(prompt, reference)
+    batcher = StepBatcher(ComputeQueue(), priority=_contributor_priority(enabled))
+    with cache.open_session(1, 256) as session:
+        got = await batcher.run(span, session, prompt, owner="taker")
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert batcher.counters.forwards == (4 if enabled else 1)
 
 
 async def test_the_admission_queue_admits_a_contributor_before_an_earlier_taker(

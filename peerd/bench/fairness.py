@@ -111,16 +111,18 @@ async def _contributor(daemon: DaemonProcess, sessions: int, new_tokens: int, re
 
 
 async def _taker(
-    generator: Generator, swarm: SwarmView, ids: Any, stop: trio.Event, gaps: list[float]
+    generator: Generator, swarm: SwarmView, ids: Any, gaps: list[tuple[float, float]]
 ) -> None:
-    """Generate 8 tokens from a long prompt, again and again until `stop`."""
-    while not stop.is_set():
-        times: list[float] = []
+    """Generate 8 tokens from a long prompt, again and again: (when, gap) of each token after
+    the first into `gaps`."""
+    while True:
+        last = None
         async with InferenceSession(swarm, max_length=ids.shape[1] + 8) as session:
             async for _ in generator.generate(ids, 8, session=session):
-                times.append(time.perf_counter())
-        if not stop.is_set():
-            gaps.extend(b - a for a, b in itertools.pairwise(times))
+                now = time.perf_counter()
+                if last is not None:
+                    gaps.append((now, now - last))
+                last = now
 
 
 @asynccontextmanager
@@ -150,22 +152,21 @@ async def _loaded(
         blocks.load_client_side, blocks.resolve_checkpoint("default")
     )
     ids = client.tokenizer(TAKER_PROMPT, return_tensors="pt")["input_ids"]
-    taker_gaps: list[float] = []
-    stop = trio.Event()
+    taker_gaps: list[tuple[float, float]] = []
     async with _taker_views(swarm, client, args["takers"]) as views, trio.open_nursery() as nursery:
         for view in views:
             nursery.start_soon(view.run)
             for _ in range(args["sessions_per_taker"]):
-                nursery.start_soon(_taker, Generator(client, view), view, ids, stop, taker_gaps)
+                nursery.start_soon(_taker, Generator(client, view), view, ids, taker_gaps)
         await trio.sleep(args["ramp_s"])  # every taker session busy
-        before = await _work(ports)
+        before, began = await _work(ports), time.perf_counter()
         loaded = await _contributor(
             contributor, args["contributor_sessions"], args["new_tokens"], args["reps"]
         )
-        after = await _work(ports)
-        stop.set()
+        after, ended = await _work(ports), time.perf_counter()
         nursery.cancel_scope.cancel()
-    return loaded, taker_gaps, {kind: after[kind] - before[kind] for kind in after}
+    theirs = [gap for at, gap in taker_gaps if began <= at <= ended]
+    return loaded, theirs, {kind: after[kind] - before[kind] for kind in after}
 
 
 async def _measure(swarm: LocalSwarm, contributor: DaemonProcess, args: dict) -> dict[str, Any]:

@@ -9,7 +9,8 @@ into a single forward, or one piece of a long prefill on its own. Turns go to th
 least recently (then to the oldest step), so a client with a long prompt or many sessions cannot
 starve the others: a long prefill runs a chunk per turn, and decode rounds run between its chunks.
 With a `Priority` (peerd.server.priority), that fair order is then rearranged by standing:
-contributors' steps first, takers keeping their guaranteed share of the tokens run.
+contributors' steps first, takers keeping their guaranteed share of the tokens run, and a long
+step's turns are cut to PRIORITY_TURN_TOKENS so a contributor's step never waits long for one.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ GATHER_MIN_S = 0.005
 GATHER_MAX_S = 0.1
 # A session that stepped longer ago than this has left its cohort (it finished or stalls).
 ACTIVE_S = 1.0
+# With priority by standing, a long step runs at most this many tokens per turn: a contributor's
+# step cannot preempt the turn under way, so it waits for that turn on every hop, and a whole
+# prefill chunk (Span.chunk_tokens) takes several decode steps' time.
+PRIORITY_TURN_TOKENS = 64
 
 
 @dataclass
@@ -252,16 +257,22 @@ class StepBatcher:
             self._waiting.remove(step)
             self._last_turn[step.owner] = turn
             if self.priority is not None:
-                tokens = min(step.left, step.span.chunk_tokens) if alone else step.left
+                tokens = min(step.left, self._turn_tokens(step)) if alone else step.left
                 self.priority.account(step.owner, step.rows * tokens)
             recent = self._recent.get(id(step.session))
             if recent is not None:  # alone (0): no partners to wait for next time
                 recent.cohort = turn if len(batch) > 1 else 0
         return batch
 
+    def _turn_tokens(self, step: _Step) -> int:
+        """Tokens of a long step one turn runs."""
+        if self.priority is not None and self.priority.enabled:
+            return min(step.span.chunk_tokens, PRIORITY_TURN_TOKENS)
+        return step.span.chunk_tokens
+
     def _run_chunk(self, step: _Step) -> None:
         """The next chunk of a long step; a failure undoes the chunks it already ran."""
-        piece = step.remaining[:, : step.span.chunk_tokens]
+        piece = step.remaining[:, : self._turn_tokens(step)]
         try:
             output = step.span.forward(piece, step.session, step.adapter)
         except Exception as e:
