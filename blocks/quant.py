@@ -12,8 +12,8 @@ one. docs/blocks.md says why bitsandbytes and not torchao, with the figures.
 
 from __future__ import annotations
 
+import logging
 import math
-import warnings
 
 import torch
 from torch import nn
@@ -22,8 +22,16 @@ INT8_THRESHOLD = 6.0  # LLM.int8's outlier threshold, bitsandbytes' and Petals' 
 NF4_BLOCK = 64  # weights per absmax scale in bitsandbytes' 4-bit quantization
 NF4_NESTED_BLOCK = 256  # absmax scales per float32 scale of the double quantization
 
-# LLM.int8 runs its float16 matmul path for float32 inputs and says so at every call.
-warnings.filterwarnings("ignore", message="MatMul8bitLt: inputs will be cast")
+
+class _QuietCasts(logging.Filter):
+    """LLM.int8 computes in float16 whatever the input dtype and logs so at every call of every
+    layer (thousands of lines a second on a busy server); the choice is documented instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("MatMul8bitLt: inputs will be cast")
+
+
+logging.getLogger("bitsandbytes.autograd._functions").addFilter(_QuietCasts())
 
 
 def quantize_linears(layer: nn.Module, quant: str, dtype: torch.dtype, device: str) -> nn.Module:
