@@ -7,6 +7,7 @@ distributed as plain sampling's (chi-square over 2,000 seeded runs on one local 
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,10 @@ async def test_greedy_with_every_drafter_equals_plain_greedy(
             assert got == plain, speculate
         # A draft model of the same weights guesses right every time: whole passes stand.
         assert await _tokens(generator, parse_speculate(f"draft:{path}", 5)) == plain
+        # Seeded sampling repeats itself, drafts and all.
+        seeded = wire.Sampling(do_sample=True, seed=11)
+        runs = [await _tokens(generator, parse_speculate("ngram"), seeded) for _ in range(2)]
+        assert runs[0] == runs[1]
     ngram = tallies["ngram"]
     # Drafts stood and drafts fell (the servers' caches rolled back), and passes were saved.
     assert 0 < ngram.accepted < ngram.drafted, ngram
@@ -92,6 +97,41 @@ async def test_greedy_with_every_drafter_equals_plain_greedy(
     drafted = tallies[f"draft:{path}"]
     assert drafted.accepted == drafted.drafted > 0, drafted
     assert len(plain) == NEW_TOKENS
+
+
+async def _stopped_then_continued(
+    generator: Generator, view: SwarmView, speculate: Speculation | None, stop_at: int
+) -> list[int]:
+    """A generation its reader stops after `stop_at` tokens (mid-pass, when a pass carried
+    more), then a next turn of the same session."""
+    tokens: list[int] = []
+    async with InferenceSession(view, max_length=len(PROMPT) + 2 * NEW_TOKENS) as session:
+        stream = generator.generate(
+            torch.tensor([PROMPT]), NEW_TOKENS, session=session, speculate=speculate
+        )
+        async with contextlib.aclosing(stream):
+            async for token in stream:
+                tokens.append(int(token[0, 0]))
+                if len(tokens) == stop_at:
+                    break
+        # As after plain decoding: every token but the last one read went through the blocks.
+        assert session.position == len(PROMPT) + stop_at - 1
+        again = generator.generate(torch.tensor([PROMPT[:4]]), 8, session=session)
+        tokens += [int(t[0, 0]) async for t in again]
+    return tokens
+
+
+async def test_a_reader_stopping_mid_pass_leaves_the_caches_at_its_last_token(
+    tiny: dict[str, Path],
+) -> None:
+    path = tiny["bloom"]
+    async with open_memnet() as net:
+        view = _serve_thirds(net, path, "bloom")
+        generator = Generator(blocks.load_client_side(path), view)
+        for stop_at in (3, 6, 9):
+            plain = await _stopped_then_continued(generator, view, None, stop_at)
+            spec = parse_speculate("ngram", 6)
+            assert await _stopped_then_continued(generator, view, spec, stop_at) == plain
 
 
 async def test_a_killed_middle_server_mid_speculation_changes_no_token(
@@ -258,6 +298,23 @@ def test_the_client_library_and_the_model_speculate_to_plain_greedys_tokens(
             for bad, says in (("sometimes", "give auto, ngram"), ("draft:/nowhere", "config")):
                 with pytest.raises(PeerdError, match=says):
                     client.generate_full(input_ids=PROMPT, max_new_tokens=2, speculate=bad)
+            # Turns of one session (the daemon's chat path) speculate like single generations.
+            turns = {speculate: _two_turns(client, speculate) for speculate in ("off", "ngram")}
+            assert turns["ngram"] == turns["off"]
+
+
+def _two_turns(client: Any, speculate: str) -> list[list[int]]:
+    session = client.open_session(len(PROMPT) + 2 * NEW_TOKENS)
+    try:
+        first = client.generate_full(
+            input_ids=PROMPT, max_new_tokens=5, session=session, speculate=speculate
+        )
+        second = client.generate_full(
+            input_ids=PROMPT[:4], max_new_tokens=NEW_TOKENS, session=session, speculate=speculate
+        )
+    finally:
+        client.close_session(session)
+    return [first.token_ids, second.token_ids]
 
 
 def test_the_gateway_takes_speculate_but_never_a_draft_model_path() -> None:
