@@ -105,6 +105,7 @@ async def _compare(leech: Any, ids: Any, new_tokens: int, runs: int) -> dict[str
     spec: list[float] = []
     same = True
     per_pass: list[float] = []
+    drafted: list[int] = []
     for _ in range(runs):
         tps, reference, _ = await _timed(leech, ids, new_tokens, None)
         plain.append(tps)
@@ -113,6 +114,7 @@ async def _compare(leech: Any, ids: Any, new_tokens: int, runs: int) -> dict[str
         same = same and tokens == reference
         # The first pass is the prompt's: the tokens after it over the passes after it.
         per_pass.append((tally.tokens - 1) / max(tally.passes - 1, 1))
+        drafted.append(tally.drafted)
     tps_plain, tps_spec = statistics.median(plain), statistics.median(spec)
     return {
         "tps_plain": tps_plain,
@@ -120,6 +122,7 @@ async def _compare(leech: Any, ids: Any, new_tokens: int, runs: int) -> dict[str
         "speedup": tps_spec / tps_plain,
         "accepted_per_pass": statistics.median(per_pass),
         "same_tokens": same,
+        "drafted": drafted,
         "all_tps_plain": plain,
         "all_tps_spec": spec,
     }

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import trio
 
 from blocks import ClientSide, GenerationDefaults
 from peerd.session.coalesce import Coalescer
@@ -159,7 +160,9 @@ class Generator:
                     )
                 )
             if speculate is not None and speculate.on and input_ids.shape[0] == 1:
-                decoder = self.speculative_decoder(speculate, params, generator)
+                decoder = await trio.to_thread.run_sync(
+                    self.speculative_decoder, speculate, params, generator
+                )
                 decoder.tally = tally if tally is not None else decoder.tally
                 tokens = decoder.decode(session, input_ids, max_new_tokens, eos_token_ids)
             else:
@@ -174,7 +177,8 @@ class Generator:
         self, speculate: Speculation, params: SamplingParams, generator: torch.Generator
     ) -> SpeculativeDecoder:
         """A decoder for one generation with the drafter `speculate` names (a draft model is
-        loaded once per path; ValueError saying what to do when it cannot be)."""
+        loaded once per path, which may take seconds: call it in a worker thread;
+        DraftModelError saying what to do when it cannot be)."""
         drafter: Drafter
         if speculate.mode == "draft":
             assert speculate.draft_path is not None

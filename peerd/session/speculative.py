@@ -98,6 +98,9 @@ COST_WINDOW = 24
 # token is taken to cost this fraction of a one-token pass: about what a forward of a few more
 # tokens costs a CPU server (a GPU's is less; the fit finds out).
 PRIOR_TOKEN_COST = 0.15
+# Drafting must promise this much more speed than a plain pass before auto drafts: where it
+# would barely pay, timing noise and the wasted compute of fallen drafts make it a loss.
+MARGIN = 1.1
 
 
 @dataclass
@@ -132,12 +135,12 @@ class PassCost:
 class Adaptive:
     """`auto`: the k that maximises expected tokens per second of a pass, E(k) / T(k + 1), with
     E(k) = 1 + a + ... + a^k for acceptance rate a (each draft stands with probability a once
-    the ones before it did) and T the pass cost fitted to the passes timed so far (PassCost).
-    k = 0 turns speculation off."""
+    the ones before it did) and T the pass cost fitted to the passes timed so far (PassCost);
+    k = 0 (speculation off) unless that beats a plain pass by MARGIN."""
 
     max_k: int = DEFAULT_TOKENS["auto"]
-    successes: float = 1.0  # a prior of one draft in two standing
-    trials: float = 2.0
+    successes: float = 1.0  # a prior of one draft in three standing
+    trials: float = 3.0
     cost: PassCost = field(default_factory=PassCost)
     off_passes: int = 0
     passes: int = 0
@@ -161,10 +164,12 @@ class Adaptive:
             return max(1, self.max_k // 2)  # no timing yet: the first passes find out
         latency, per_token = fitted
         rate = self.rate
-        return max(
-            range(self.max_k + 1),
+        best = max(
+            range(1, self.max_k + 1),
             key=lambda k: expected_tokens(rate, k) / (latency + k * per_token),
         )
+        speed = expected_tokens(rate, best) / (latency + best * per_token)
+        return best if speed >= MARGIN / latency else 0
 
     def record(self, tokens: int, drafts: int, accepted: int, seconds: float | None) -> None:
         self.passes += 1
