@@ -19,6 +19,7 @@ same cores as the daemons: the latencies are of one loaded machine, compare them
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import time
 import urllib.request
@@ -42,7 +43,12 @@ from peerd.session.swarm import SwarmView
 SPANS = ("0:10", "10:20", "20:30")
 CONTRIBUTOR_SPAN = "29:30"
 # Pure clients' prompts: long enough that each is several prefill chunks on every server.
-TAKER_PROMPT = " ".join(["The history of the printing press begins in the fifteenth century."] * 24)
+TAKER_PROMPT = " ".join(["The history of the printing press begins in the fifteenth century."] * 12)
+TAKER_NEW_TOKENS = 16
+# The measuring window lasts until the takers too have generated this many tokens after their
+# first (a loaded swarm may serve the contributor before any taker gets past its prefill).
+MIN_TAKER_TOKENS = 16
+TAKER_WAIT_S = 300.0
 CONTRIBUTOR_PROMPT = "Once upon a time, there was a little"
 # How long the servers' views may take to grant the contributor standing (qualify + looks).
 STANDING_WAIT_S = 240.0
@@ -113,12 +119,12 @@ async def _contributor(daemon: DaemonProcess, sessions: int, new_tokens: int, re
 async def _taker(
     generator: Generator, swarm: SwarmView, ids: Any, gaps: list[tuple[float, float]]
 ) -> None:
-    """Generate 8 tokens from a long prompt, again and again: (when, gap) of each token after
-    the first into `gaps`."""
+    """Generate TAKER_NEW_TOKENS from a long prompt, again and again: (when, gap) of each token
+    after the first into `gaps`."""
     while True:
         last = None
-        async with InferenceSession(swarm, max_length=ids.shape[1] + 8) as session:
-            async for _ in generator.generate(ids, 8, session=session):
+        async with InferenceSession(swarm, max_length=ids.shape[1] + TAKER_NEW_TOKENS) as session:
+            async for _ in generator.generate(ids, TAKER_NEW_TOKENS, session=session):
                 now = time.perf_counter()
                 if last is not None:
                     gaps.append((now, now - last))
@@ -163,6 +169,9 @@ async def _loaded(
         loaded = await _contributor(
             contributor, args["contributor_sessions"], args["new_tokens"], args["reps"]
         )
+        with trio.move_on_after(TAKER_WAIT_S):
+            while sum(at >= began for at, _ in taker_gaps) < MIN_TAKER_TOKENS:
+                await trio.sleep(0.5)
         after, ended = await _work(ports), time.perf_counter()
         nursery.cancel_scope.cancel()
     theirs = [gap for at, gap in taker_gaps if began <= at <= ended]
@@ -178,7 +187,9 @@ async def _measure(swarm: LocalSwarm, contributor: DaemonProcess, args: dict) ->
     loaded, taker_gaps, work = await _loaded(swarm, contributor, ports, args)
     total = sum(work.values()) or 1.0
     alone = statistics.median(unloaded)
-    mine, theirs = statistics.median(loaded), statistics.median(taker_gaps)
+    mine = statistics.median(loaded)
+    # nan: no taker got a token past its first within TAKER_WAIT_S (they wait for their prefills)
+    theirs = statistics.median(taker_gaps) if taker_gaps else math.nan
     return {
         "contributor_unloaded_token_s": round(alone, 4),
         "contributor_loaded_token_s": round(mine, 4),
