@@ -7,9 +7,10 @@ scaled so that the median round trip over random pairs is `median_rtt_s` (50 ms 
 Bandwidth: lognormal per peer (median 20 Mbit/s); a transfer runs at the slower end's speed.
 
 Kademlia: 64-bit ids (the first 8 bytes of the sha-256 of the peer id), k = 20, alpha = 3. A
-peer's routing table is drawn lazily and deterministically from the current membership: for
-each prefix length i it knows k members of the subtree that shares i bits with it and differs
-in bit i (all of them when there are fewer). A look-up asks alpha peers at a time for the k
+peer's routing table is drawn lazily from the membership: for each prefix length i it knows k
+members of the subtree that shares i bits with it and differs in bit i (all of them when there
+are fewer), and keeps them until fewer than half are left (departed peers are dropped as if
+their failure had been noticed). A look-up asks alpha peers at a time for the k
 closest they know, as py-libp2p's does, and stops when a round brings nobody closer or when it
 reaches a peer holding the value it looks for.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import heapq
 import math
 import random
 from collections import Counter
@@ -76,6 +78,7 @@ class Network:
     peers: dict[int, SimPeer] = field(default_factory=dict)
     _sorted: list[int] = field(default_factory=list)
     _scale: float = 1.0
+    _tables: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     counts: Counter[str] = field(default_factory=Counter)
 
     def add(self, name: str, *, member: bool = True) -> SimPeer:
@@ -167,15 +170,34 @@ class Network:
         if node == target:
             return self.closest(target)[:K]
         bit = ID_BITS - (node ^ target).bit_length()  # the bucket target falls in
-        lo, hi = self._subtree(target, bit + 1)
+        known = self._bucket(node, bit)
+        if len(known) < K:  # a thin bucket: add our own side's nearest
+            known = known + self._bucket(node, -1)[: K - len(known)]
+        return heapq.nsmallest(K, known, key=lambda kid: kid ^ target)
+
+    def _bucket(self, node: int, bit: int) -> list[int]:
+        """Bucket `bit` of `node`'s table: up to k members of the subtree that shares `bit` bits
+        with node and differs in the next. Kept between look-ups like a real table: departed
+        peers drop out of it, and it is drawn again from the membership of the day only when
+        fewer than half of its k remain (so peers that joined since are known only then)."""
+        cached = self._tables.get((node, bit))
+        if bit < 0:  # our own neighbourhood: the k closest to us
+            if cached is None or any(kid not in self.peers for kid in cached):
+                cached = self._tables[(node, bit)] = [p for p in self.closest(node) if p != node]
+            return cached
+        if cached is not None:
+            alive = [kid for kid in cached if kid in self.peers]
+            if len(alive) >= min(K // 2, len(cached)):
+                if len(alive) < len(cached):
+                    self._tables[(node, bit)] = alive
+                return alive
+        lo, hi = self._subtree(node ^ (1 << (ID_BITS - 1 - bit)), bit + 1)
         if hi - lo <= K:
             known = self._sorted[lo:hi]
         else:
-            picks = random.Random(node * 131 + bit).sample(range(lo, hi), K)
-            known = [self._sorted[i] for i in picks]
-        if len(known) < K:  # a thin bucket: add our own side's nearest
-            known += [p for p in self.closest(node, K) if p != node][: K - len(known)]
-        return sorted(known, key=lambda kid: kid ^ target)[:K]
+            known = [self._sorted[i] for i in self.rng.sample(range(lo, hi), K)]
+        self._tables[(node, bit)] = known
+        return known
 
     def look_up(
         self, origin: int, target: int, holds: Callable[[int], int] | None = None
@@ -204,10 +226,11 @@ class Network:
                 size += REQUEST_BYTES + reply
                 if value:
                     return Lookup(shortlist, peer, messages, size, hops, seconds + round_s)
-                shortlist = sorted(
+                shortlist = heapq.nsmallest(
+                    K,
                     set(shortlist) | set(self.known_closest(peer, target)) - {origin},
                     key=lambda kid: kid ^ target,
-                )[:K]
+                )
             seconds += round_s
             if shortlist and shortlist[0] ^ target >= best_before:
                 break

@@ -44,7 +44,7 @@ def run(
     seed: int = 0,
     clients: int = CLIENTS,
     churn: float = 0.3,
-    periods: float = 5.0,
+    periods: float = 4.0,
     median_rtt_s: float = 0.05,
     client_shards: int = 8,
     progress: Callable[[str], None] = lambda line: None,

@@ -31,7 +31,7 @@ def run_scale_bench(
     seed: int = 0,
     clients: int = CLIENTS,
     churn: float = 0.3,
-    periods: float = 5.0,
+    periods: float = 4.0,
     median_rtt_s: float = 0.05,
     progress: bool = True,
 ) -> dict[str, Any]:
@@ -97,7 +97,7 @@ def bench_scale(
     peers: list[int] = typer.Option([10_000], "--peers", help="Swarm size; repeat for several."),
     clients: int = typer.Option(CLIENTS, min=1, help="Clients finding a first route."),
     churn: float = typer.Option(0.3, min=0.0, max=1.0, help="Share of peers replaced."),
-    periods: float = typer.Option(5.0, min=0.5, help="Recheck periods (120 s) simulated."),
+    periods: float = typer.Option(4.0, min=0.5, help="Recheck periods (120 s) simulated."),
     seed: int = typer.Option(0, help="Seed of the simulated swarm."),
 ) -> None:
     """Time, messages and bytes to a first route, route cost against the optimum, coverage under

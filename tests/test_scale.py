@@ -1,0 +1,64 @@
+"""The simulated swarm behind `peerd bench scale` (routing.netsim, routing.simulate,
+routing.simulate_run): Kademlia look-ups that find what they look for in O(log N) hops, and a
+small swarm under churn where every client finds a route near the optimum."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from peerd.bench.scale import format_scale_report, run_scale_bench
+from routing.netsim import ALPHA, Network
+from routing.simulate_run import run
+
+
+def test_look_ups_find_the_closest_peers_in_few_hops_and_estimate_the_size() -> None:
+    net = Network(random.Random(3))
+    kids = [net.add(f"peer-{i}").kid for i in range(3000)]
+    net.calibrate()
+    rng = random.Random(4)
+    hops, estimates = [], []
+    for _ in range(40):
+        origin, target = rng.choice(kids), rng.getrandbits(64)
+        found = net.look_up(origin, target)
+        truth = [kid for kid in net.closest(target, 3) if kid != origin]
+        assert found.closest[:2] == truth[:2]  # the replicas a store or a read would use
+        assert found.messages % 2 == 0 and found.messages <= 2 * ALPHA * found.hops
+        hops.append(found.hops)
+        estimates.append(net.estimate_size(found.closest, target))
+    assert max(hops) <= math.ceil(math.log2(3000) / math.log2(ALPHA * 2))
+    assert 1500 <= sorted(estimates)[len(estimates) // 2] <= 6000
+    rtts = sorted(net.rtt(*rng.sample(kids, 2)) for _ in range(2000))
+    assert 0.04 <= rtts[len(rtts) // 2] <= 0.06  # calibrated to a 50 ms median
+
+
+def test_a_small_swarm_under_churn_routes_every_client_near_the_optimum() -> None:
+    report = run(60, seed=1, clients=12, churn=0.3, periods=2.5)
+    assert report["clients"] == {"routed": 12, "failed": 0}
+    cost = report["cost_vs_optimum"]
+    assert 0.95 <= cost["median"] <= 1.3, cost
+    assert report["bytes_per_plan"]["max"] < 200_000
+    assert report["contacts"]["max"] <= 24
+    coverage = report["coverage"]
+    assert coverage["burst_left"] > 0
+    assert coverage["covered_again_after_periods"] <= 2.0
+    upkeep = report["upkeep_per_server"]["bytes_per_s"]
+    assert 0 < upkeep["median"] <= 1000
+    assert report["live_servers_at_end"] == 60
+
+
+def test_the_bench_reports_each_size_against_its_targets() -> None:
+    report = run_scale_bench([20], clients=3, periods=1.0, progress=False)
+    assert [r["peers"] for r in report["runs"]] == [20]
+    assert set(report["checks"][0]) == {
+        "first_route_s",
+        "bytes_per_plan",
+        "cost_vs_optimum",
+        "covered_again",
+        "upkeep",
+    }
+    assert "20 peers: first route" in format_scale_report(report)
+    with pytest.raises(ValueError, match="at least 2"):
+        run_scale_bench([1], progress=False)
