@@ -13,6 +13,7 @@ from typing import Any
 
 import typer
 
+from peerd.bench.commands import bench_fairness
 from peerd.bench.scale import bench_scale
 from peerd.bench.spec import bench_spec
 from peerd.daemon.commands import service_app, start
@@ -476,30 +477,9 @@ def bench_batch(
     _print_report(run_batch_bench(runs=runs, sessions=sessions, new_tokens=new_tokens), as_json)
 
 
-@bench_app.command("fairness", short_help="Token latency of contributors vs takers, loaded.")
-def bench_fairness(
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    takers: int = typer.Option(4, min=1, help="Pure-client peers loading the swarm."),
-    sessions_per_taker: int = typer.Option(2, min=1, help="Sessions of each pure client."),
-    new_tokens: int = typer.Option(24, min=4, help="Tokens per contributor generation."),
-    priority: list[str] = typer.Option(
-        ["standing", "fifo"], "--priority", help="Modes to run (repeatable): standing, fifo."
-    ),
-) -> None:
-    """Three local daemons saturated by pure clients while a daemon that serves blocks generates
-    too: per class token latency (against unloaded) and share of work, --priority standing
-    beside fifo (docs/swarm.md#standing)."""
-    from peerd.bench.fairness import run_fairness_bench
-    from peerd.daemon.main import configure_logging
-
-    configure_logging("warning")
-    report = run_fairness_bench(
-        takers=takers,
-        sessions_per_taker=sessions_per_taker,
-        new_tokens=new_tokens,
-        modes=tuple(priority),
-    )
-    _print_report(report, as_json)
+bench_app.command("fairness", short_help="Token latency of contributors vs takers, loaded.")(
+    bench_fairness
+)
 
 
 @bench_app.command("attack")
