@@ -205,8 +205,10 @@ def verify(
     predicts the token after `sequence` + the first i drafts."""
     drafts = draft.tokens
     for i in range(len(drafts) + 1):
-        ids = torch.tensor([list(sequence) + drafts[:i]])
-        row = apply_repetition_penalty(logits[i : i + 1].float(), ids, params.repetition_penalty)
+        row = logits[i : i + 1].float()
+        if params.repetition_penalty != 1.0:  # the sequence as it stands at this position
+            ids = torch.tensor([list(sequence) + drafts[:i]])
+            row = apply_repetition_penalty(row, ids, params.repetition_penalty)
         if not params.do_sample:
             best = int(row.argmax())
             if i < len(drafts) and best == drafts[i]:
@@ -228,6 +230,13 @@ def verify(
             residual = p
         return i, int(torch.multinomial(residual, 1, generator=generator))
     raise AssertionError("unreachable: the last row always returns")
+
+
+def _one_sequence(input_ids: torch.Tensor) -> list[int]:
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
+        shape = list(input_ids.shape)
+        raise ValueError(f"speculative decoding takes ids of shape [1, tokens], got {shape}")
+    return [int(t) for t in input_ids[0]]
 
 
 class Chain(Protocol):
@@ -274,7 +283,7 @@ class SpeculativeDecoder:
         """Yield [1, 1] token ids as plain decoding would. The chain holds, whenever this is
         suspended at a yield or has finished, every token before the last one yielded (the
         drafts past it are rolled back), as after plain decoding."""
-        sequence = input_ids[0].tolist()
+        sequence = _one_sequence(input_ids)
         pending = list(sequence)  # tokens not in the servers' caches yet
         produced = 0
         consistent: int | None = None
