@@ -117,18 +117,28 @@ async def _contributor(daemon: DaemonProcess, sessions: int, new_tokens: int, re
 
 
 async def _taker(
-    generator: Generator, swarm: SwarmView, ids: Any, gaps: list[tuple[float, float]]
+    generator: Generator,
+    swarm: SwarmView,
+    ids: Any,
+    gaps: list[tuple[float, float]],
+    errors: list[str],
 ) -> None:
     """Generate TAKER_NEW_TOKENS from a long prompt, again and again: (when, gap) of each token
     after the first into `gaps`."""
     while True:
         last = None
-        async with InferenceSession(swarm, max_length=ids.shape[1] + TAKER_NEW_TOKENS) as session:
-            async for _ in generator.generate(ids, TAKER_NEW_TOKENS, session=session):
-                now = time.perf_counter()
-                if last is not None:
-                    gaps.append((now, now - last))
-                last = now
+        try:
+            async with InferenceSession(
+                swarm, max_length=ids.shape[1] + TAKER_NEW_TOKENS
+            ) as session:
+                async for _ in generator.generate(ids, TAKER_NEW_TOKENS, session=session):
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append((now, now - last))
+                    last = now
+        except Exception as e:  # a pure client that fails starts over, as a user would
+            errors.append(f"{type(e).__name__}: {e}")
+            await trio.sleep(1)
 
 
 @asynccontextmanager
@@ -163,7 +173,9 @@ async def _loaded(
         for view in views:
             nursery.start_soon(view.run)
             for _ in range(args["sessions_per_taker"]):
-                nursery.start_soon(_taker, Generator(client, view), view, ids, taker_gaps)
+                nursery.start_soon(
+                    _taker, Generator(client, view), view, ids, taker_gaps, args["errors"]
+                )
         await trio.sleep(args["ramp_s"])  # every taker session busy
         before, began = await _work(ports), time.perf_counter()
         loaded = await _contributor(
@@ -200,6 +212,8 @@ async def _measure(swarm: LocalSwarm, contributor: DaemonProcess, args: dict) ->
         "taker_work_share": round(work["taker"] / total, 3),
         "standing_after_s": round(waited, 1),
         "tokens": {"contributor": len(loaded), "taker": len(taker_gaps)},
+        "taker_errors": len(args["errors"]),
+        "first_taker_errors": sorted(set(args["errors"]))[:3],
     }
 
 
@@ -234,7 +248,7 @@ def run_fairness_bench(
     for mode in modes:
         swarm, contributor = _start(mode)
         try:
-            report[mode] = trio.run(_measure, swarm, contributor, args)
+            report[mode] = trio.run(_measure, swarm, contributor, {**args, "errors": []})
         finally:
             swarm.stop()
     if "standing" in report:
