@@ -260,3 +260,17 @@ def test_dtype_auto_on_a_cpu_takes_bfloat16_only_where_it_decodes_clearly_faster
         _write_record(path, blocks.Throughput(speed, 100.0, torch.get_num_threads(), 0.0))
     serving = resolve_serving("cpu", "auto", "none", checkpoint)
     assert serving == blocks.Serving("cpu", chosen, "none")
+
+
+def test_records_carry_device_dtype_and_quant_and_refuse_hostile_names() -> None:
+    from routing.records import ServerRecord
+    from tests.test_routing_fixtures import make_record
+
+    fields = {"device": "cuda:1", "dtype": "bfloat16", "quant": "nf4"}
+    record = ServerRecord.from_dict({**make_record("p1", 0, 4).to_dict(), **fields})
+    assert (record.device, record.dtype, record.quant) == ("cuda:1", "bfloat16", "nf4")
+    old = make_record("p2", 0, 4).to_dict()
+    assert ServerRecord.from_dict(old).device == ""  # an older server's record still parses
+    for name, value in (("device", "cuda\x1b[2J"), ("dtype", "x" * 17), ("quant", "nf4 ")):
+        with pytest.raises(ValueError, match=name):
+            ServerRecord.from_dict({**old, name: value})
