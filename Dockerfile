@@ -65,5 +65,7 @@ EXPOSE 31337
 # The daemon answers on its socket once it serves; `peerd status` exits non-zero otherwise. The
 # first start converts the model into /data (about a minute), hence the start period.
 HEALTHCHECK --interval=30s --timeout=10s --start-period=180s --retries=3 CMD ["peerd", "status"]
-ENTRYPOINT ["peerd", "start", "--blocks", "auto"]
+# --device/--dtype auto: a CUDA build serves on the GPU in half precision, a CPU build on the CPU
+# in whichever of float32 and bfloat16 it runs faster (docs/blocks.md).
+ENTRYPOINT ["peerd", "start", "--blocks", "auto", "--device", "auto", "--dtype", "auto"]
 CMD ["--new-swarm", "--port", "31337"]
