@@ -146,7 +146,7 @@ def _inner(initial_peer: str, listen: str, new_tokens: int, runs: int) -> dict[s
             copy_ids = encode_prompt(tokenizer, COPY_PROMPT, chat=True)
             chat_ids = encode_prompt(tokenizer, CHAT_PROMPT, chat=True)
             await _timed(leech, chat_ids, 4, None)  # warm-up: connections, first allocations
-            report = {
+            report: dict[str, Any] = {
                 "copy": await _compare(leech, copy_ids, new_tokens, runs),
                 "chat": await _compare(leech, chat_ids, new_tokens, runs),
             }

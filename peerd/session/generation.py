@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,7 +132,7 @@ class Generator:
         left_padding: tuple[int, ...] = (),
         speculate: Speculation | None = None,
         tally: Tally | None = None,
-    ) -> AsyncIterator[torch.Tensor]:
+    ) -> AsyncGenerator[torch.Tensor, None]:
         """Yield [batch, 1] token ids one step at a time (stops early when every row hit EOS;
         a row that did keeps being fed its samples, which no other row sees).
 
@@ -198,7 +198,7 @@ class Generator:
         params: SamplingParams,
         generator: torch.Generator,
         eos_token_ids: Sequence[int],
-    ) -> AsyncIterator[torch.Tensor]:
+    ) -> AsyncGenerator[torch.Tensor, None]:
         token_ids = input_ids
         step_input = input_ids
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -279,7 +279,7 @@ class SpeculativeDecoder:
         input_ids: torch.Tensor,
         max_new_tokens: int,
         eos_token_ids: Sequence[int],
-    ) -> AsyncIterator[torch.Tensor]:
+    ) -> AsyncGenerator[torch.Tensor, None]:
         """Yield [1, 1] token ids as plain decoding would. The chain holds, whenever this is
         suspended at a yield or has finished, every token before the last one yielded (the
         drafts past it are rolled back), as after plain decoding."""
