@@ -16,7 +16,7 @@ so nobody can publish a record for another peer id), its span must lie inside th
 touch the bucket it was fetched for), and its throughput must be one a machine can reach
 (routing.speeds.MAX_BLOCK_STEPS_PER_S). Whatever else a record claims is the server's word: the
 client still plans with credible throughputs (routing.speeds) and confirms the few servers it
-contacts with a live `info` call (`live_agrees`) before a route uses them.
+contacts with a live `info` call (`confirmed_record`) before a route uses them.
 
 A client reads a few shards (a few KB each), plans over those records with RTTs estimated from
 coordinates, and contacts only `choose_contacts`: the servers of a few alternative routes, never
@@ -398,13 +398,11 @@ def choose_contacts(
     return chosen[:max_contacts]
 
 
-def live_agrees(published: ServerRecord, live: ServerRecord) -> bool:
-    """Whether a server's live `info` answer backs what it published: same peer and model, and
-    its live span holds the published one (a server that moved is planned with its live record
-    only). A record the server does not back is not used."""
-    return (
-        live.peer_id == published.peer_id
-        and live.model == published.model
-        and live.start <= published.start
-        and published.end <= live.end
-    )
+def confirmed_record(published: ServerRecord, live: ServerRecord) -> ServerRecord | None:
+    """What a route may use of a server whose DHT record was `published` and whose live `info`
+    answer (over a connection authenticated as that peer) is `live`: the live record, whatever
+    it says now (a server that moved is planned with the span it serves, never the one it
+    published), or None when the answer is not that peer's record of this model."""
+    if live.peer_id != published.peer_id or live.model != published.model:
+        return None
+    return live

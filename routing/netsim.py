@@ -11,8 +11,8 @@ peer's routing table is drawn lazily from the membership: for each prefix length
 members of the subtree that shares i bits with it and differs in bit i (all of them when there
 are fewer), and keeps them until fewer than half are left (departed peers are dropped as if
 their failure had been noticed). A look-up asks alpha peers at a time for the k
-closest they know, as py-libp2p's does, and stops when a round brings nobody closer or when it
-reaches a peer holding the value it looks for.
+closest they know, as py-libp2p's does, and stops when a round brings nobody closer and the
+alpha closest it knows have answered, or when it reaches a peer holding the value it looks for.
 """
 
 from __future__ import annotations
@@ -232,7 +232,11 @@ class Network:
                     key=lambda kid: kid ^ target,
                 )
             seconds += round_s
-            if shortlist and shortlist[0] ^ target >= best_before:
+            # Done when a round brought nobody closer and the ALPHA closest have all answered
+            # (stopping at the first round without progress leaves the closest unasked, and
+            # peers storing under one key would each pick different replicas).
+            settled = all(p in queried for p in shortlist[:ALPHA])
+            if shortlist and shortlist[0] ^ target >= best_before and settled:
                 break
         return Lookup(shortlist, None, messages, size, hops, seconds)
 

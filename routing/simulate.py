@@ -16,7 +16,7 @@ move (JOINING meanwhile: routes skip it).
 Clients: bootstrap, read `client_shards` shards (look-ups side by side), plan `choose_contacts`
 with RTTs estimated from the coordinates in the records, call `info` on those contacts (measured
 RTT; a departed server does not answer; a record its server no longer backs is dropped,
-`live_agrees`), and route over the confirmed records with the measured RTTs. Cost is what
+`confirmed_record`), and route over the confirmed records with the measured RTTs. Cost is what
 routing.planner charges (RTT plus compute per hop, credible throughputs) with the true RTTs,
 against the route planned over every live server with every true RTT (the offline optimum).
 """
@@ -27,13 +27,13 @@ import heapq
 import math
 import random
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from routing.block_selection import better_span, blocks_that_fit, choose_blocks
+from routing.chains import Route
 from routing.discovery import (
     Cell,
     SignedRecord,
@@ -41,8 +41,8 @@ from routing.discovery import (
     believe,
     cell_of,
     choose_contacts,
+    confirmed_record,
     estimated_rtt,
-    live_agrees,
     shard_count,
     shard_key,
     shard_levels,
@@ -70,6 +70,10 @@ LOAD_S = 30.0
 INFO_BYTES = (40, 320)  # an info request and its reply
 STORE_BYTES = 48  # a store or read request's framing besides what it carries
 INFO_DEADLINE_S = 0.5
+# Rounds of `info` calls a client makes before it gives up (each over servers not yet asked).
+CONTACT_ROUNDS = 3
+# Shards of the whole swarm a client reads more when those it read leave a block unserved.
+MORE_SHARDS = 3
 
 
 @dataclass
@@ -332,18 +336,28 @@ class Swarm:
 
     def _fetch(self, kid: int, out: ClientRun) -> list[SignedRecord]:
         """Bootstrap, read one shard of the whole swarm, then shards of our own locality cell
-        (how many servers it has: from the first shard's census)."""
+        (how many servers it has: from the first shard's census). Where the records leave a
+        block without a server (a shard whose holders left, a sparse cell), read more shards of
+        the whole swarm, up to MORE_SHARDS."""
         estimate, out.first_route_s = self.bootstrap(kid)
         shards = shard_count(estimate)
-        index = self.rng.randrange(shards)
-        fetched = self._read(kid, [shard_key(MODEL, index, shards)], out)
+        order = self.rng.sample(range(shards), min(shards, 1 + MORE_SHARDS))
+        fetched = self._read(kid, [shard_key(MODEL, order[0], shards)], out)
         mine = cell_of(self.net.coords(kid))
         near = sum(1 for s in fetched if (c := authentic(s)[1]) is not None and cell_of(c) == mine)
         subs = shard_count(max(1.0, near * shards))
         picked = self.rng.sample(range(subs), min(subs, self.client_shards))
-        return fetched + self._read(
-            kid, [shard_key(MODEL, i, subs, cell=mine) for i in picked], out
-        )
+        fetched += self._read(kid, [shard_key(MODEL, i, subs, cell=mine) for i in picked], out)
+        # More of the whole swarm: other shards, then shards of the other levels (other holders).
+        more = [(i, shards) for i in order[1:]]
+        more += [(self.rng.randrange(n), n) for n in shard_levels(shards) if n != shards]
+        for index, count in more[:MORE_SHARDS]:
+            records = (authentic(s)[0] for s in fetched)
+            served = SwarmSnapshot.from_records(MODEL, NUM_BLOCKS, records, now=self.now)
+            if not served.uncovered_blocks():
+                break
+            fetched += self._read(kid, [shard_key(MODEL, index, count)], out)
+        return fetched
 
     def _route(self, kid: int) -> ClientRun | None:
         out = ClientRun()
@@ -353,27 +367,39 @@ class Swarm:
         )
         own = self.net.coords(kid)
         estimates = {p: estimated_rtt(own, c) for p, c in believed.coords.items()}
-        try:
-            contacts = choose_contacts(
-                believed.snapshot, rtts=estimates, now=self.now, rng=self.rng
+        snapshot = believed.snapshot
+        for _ in range(CONTACT_ROUNDS):
+            route = self._contact(kid, snapshot, estimates, out)
+            if not isinstance(route, set):
+                out.cost_ratio = self._cost_ratio(kid, route)
+                return out
+            snapshot = SwarmSnapshot(
+                MODEL, NUM_BLOCKS, tuple(r for r in snapshot.records if r.peer_id not in route)
             )
-            first = {h.peer_id for h in plan_route(believed.snapshot, rtts=estimates)}
+        return None
+
+    def _contact(
+        self, kid: int, snapshot: SwarmSnapshot, estimates: dict[str, float], out: ClientRun
+    ) -> Route | set[str]:
+        """One round of `info` calls: the route, or the peers asked (none of them to be asked
+        again) when those that answered in time leave some block uncovered."""
+        try:
+            contacts = choose_contacts(snapshot, rtts=estimates, now=self.now, rng=self.rng)
+            first = {h.peer_id for h in plan_route(snapshot, rtts=estimates)}
         except NoRouteError:
-            return None
-        answers = self._ask(kid, believed.snapshot, contacts, out)
+            return set()
+        answers = self._ask(kid, snapshot, contacts, out)
+        out.contacts += len(contacts)
         # Plan once the servers of the route the estimates preferred answered (or the deadline
         # passed), over every answer in by then.
         ready = min(INFO_DEADLINE_S, max(answers.get(p, (math.inf,))[0] for p in first))
-        confirmed = {p: a for p, a in answers.items() if a[0] <= ready}
-        snapshot = SwarmSnapshot(MODEL, NUM_BLOCKS, tuple(a[1] for a in confirmed.values()))
-        try:
-            route = plan_route(snapshot, rtts={p: a[0] for p, a in confirmed.items()})
-        except NoRouteError:
-            return None
         out.first_route_s += ready
-        out.contacts = len(contacts)
-        out.cost_ratio = self._cost_ratio(kid, route)
-        return out
+        confirmed = {p: a for p, a in answers.items() if a[0] <= ready}
+        live = SwarmSnapshot(MODEL, NUM_BLOCKS, tuple(a[1] for a in confirmed.values()))
+        try:
+            return plan_route(live, rtts={p: a[0] for p, a in confirmed.items()})
+        except NoRouteError:
+            return set(contacts)
 
     def _ask(
         self, kid: int, snapshot: SwarmSnapshot, contacts: list[str], out: ClientRun
@@ -390,11 +416,12 @@ class Swarm:
             took = self.net.exchange(kid, server.kid, *INFO_BYTES, "info")
             out.messages += 1
             out.bytes += INFO_BYTES[1]
-            if live_agrees(snapshot.by_peer[peer_id], server.record):
-                answers[peer_id] = (took, server.record)
+            live = confirmed_record(snapshot.by_peer[peer_id], server.record)
+            if live is not None:
+                answers[peer_id] = (took, live)
         return answers
 
-    def _cost_ratio(self, kid: int, route: Any) -> float:
+    def _cost_ratio(self, kid: int, route: Route) -> float:
         """The route's cost against the offline optimum, both charged with true RTTs."""
         truth = self.truth()
         credible = credible_throughputs(truth.records)

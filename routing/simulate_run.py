@@ -160,6 +160,15 @@ class _Measure:
                 return at - self.burst_at
         return math.inf
 
+    def _weakest_after_burst(self) -> float:
+        """The weakest block's throughput 2 recheck periods after the burst, as a share of what
+        it was just before (how far rebalancing healed the swarm; 1: fully)."""
+        before = [mn for at, _, mn, _ in self.coverage if at < self.burst_at]
+        after = [mn for at, _, mn, _ in self.coverage if at >= self.burst_at + 2 * RECHECK_PERIOD_S]
+        if not before or not after or not before[-1]:
+            return math.nan
+        return round(after[0] / before[-1], 3)
+
     def report(self) -> dict[str, Any]:
         done, swarm = self.done, self.swarm
         messages, size = self._upkeep()
@@ -188,6 +197,7 @@ class _Measure:
                 "burst_left": self.burst_left,
                 "covered_again_after_s": recovery,
                 "covered_again_after_periods": round(recovery / RECHECK_PERIOD_S, 3),
+                "weakest_block_2_periods_after_burst_vs_before": self._weakest_after_burst(),
                 "series_t_uncovered_min_max": [
                     [round(at), u, round(mn, 1), round(mx, 1)]
                     for at, u, mn, mx in self.coverage[:: max(1, len(self.coverage) // 20)]
