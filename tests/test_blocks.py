@@ -554,7 +554,7 @@ def test_throughput_is_measured_once_and_then_read_from_disk(
     first = blocks.measure_throughput(span, cache_dir=tmp_path)
     assert first.decode_tps > 0 and first.prefill_tps > 0
     (record,) = tmp_path.glob("*.json")
-    assert record.name == "llama_span_0-2_cpu_torch.float32.json"
+    assert record.name == "llama_span_0-2_cpu_torch.float32_none.json"  # quant: none
     assert blocks.measure_throughput(span, cache_dir=tmp_path) == first
     assert blocks.measure_throughput(span, cache_dir=tmp_path, use_disk_cache=False) != first
 
