@@ -197,6 +197,8 @@ async def _measure(swarm: LocalSwarm, contributor: DaemonProcess, args: dict) ->
     await _contributor(contributor, sessions, 4, 1)  # warm-up
     unloaded = await _contributor(contributor, sessions, args["new_tokens"], args["reps"])
     loaded, taker_gaps, work = await _loaded(swarm, contributor, ports, args)
+    # Unloaded again after the load: the machine's other work drifts; count both.
+    unloaded += await _contributor(contributor, sessions, args["new_tokens"], args["reps"])
     total = sum(work.values()) or 1.0
     alone = statistics.median(unloaded)
     mine = statistics.median(loaded)
