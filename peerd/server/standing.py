@@ -44,8 +44,9 @@ QUALIFY_S = 30.0
 TENURE_S = 3600.0
 # After a peer was last seen serving, its standing falls linearly to zero over this long. The
 # whole delay until a peer that stopped serving loses its priority is the time our view takes to
-# drop its record (at most the record's expiry, 2 refresh periods + 30 s; at once when it says it
-# leaves or a call to it fails) plus this.
+# notice (its next refresh, whose info call to the peer fails or finds it gone, at most one
+# refresh period; at once when it says it leaves or a call to it fails), plus our next look at
+# the view (peerd.daemon.contributions.STANDING_LOOK_S), plus this.
 DECAY_S = 120.0
 # A peer that failed a call or answered wrong earns nothing for this long, however it looks.
 CONTRADICTION_S = 600.0
