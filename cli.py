@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from peerd.bench.commands import bench_fairness
+from peerd.bench.commands import bench_blocks, bench_fairness
 from peerd.bench.scale import bench_scale
 from peerd.bench.spec import bench_spec
 from peerd.daemon.commands import service_app, start
@@ -374,26 +374,9 @@ def bench_wire(
         typer.echo(format_wire_report(report))
 
 
-@bench_app.command("blocks", short_help="Tokens/s of a span beside the whole model in one process.")
-def bench_blocks(
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
-    model: str = typer.Option("default", help="'default' (SmolLM2-135M) or a checkpoint dir."),
-    start: int = typer.Option(0, min=0, help="First block of the span."),
-    end: int = typer.Option(10, min=1, help="One past the last block of the span."),
-    device: str = typer.Option("cpu", help="auto, cpu, cuda, cuda:N or mps (as peerd start)."),
-    dtype: str = typer.Option("float32", help="auto, float32, bfloat16 or float16."),
-    quant: str = typer.Option("none", help="Weight quantization: none, int8 or nf4."),
-) -> None:
-    """Decode and prefill tokens/s of a span beside the whole local model, in one run."""
-    from blocks import BlocksError, resolve_serving
-    from peerd.bench.blocks import run_blocks_bench
-
-    try:
-        report = run_blocks_bench(model, start, end, resolve_serving(device, dtype, quant))
-    except (BlocksError, ValueError) as e:
-        typer.echo(f"peerd bench blocks: {e}", err=True)
-        raise typer.Exit(2) from None
-    _print_report(report, as_json)
+bench_app.command("blocks", short_help="Tokens/s of a span beside the whole model in one process.")(
+    bench_blocks
+)
 
 
 @bench_app.command(

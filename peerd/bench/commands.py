@@ -33,3 +33,25 @@ def bench_fairness(
         modes=tuple(priority),
     )
     typer.echo(json.dumps(report) if as_json else "\n".join(f"{k}: {v}" for k, v in report.items()))
+
+
+def bench_blocks(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: str = typer.Option("default", help="'default' (SmolLM2-135M) or a checkpoint dir."),
+    start: int = typer.Option(0, min=0, help="First block of the span."),
+    end: int = typer.Option(10, min=1, help="One past the last block of the span."),
+    device: str = typer.Option("cpu", help="auto, cpu, cuda, cuda:N or mps (as peerd start)."),
+    dtype: str = typer.Option("float32", help="auto, float32, bfloat16 or float16."),
+    quant: str = typer.Option("none", help="Weight quantization: none, int8 or nf4."),
+) -> None:
+    """Decode and prefill tokens/s of a span beside the whole local model, in one run, on a
+    device in a dtype and quantization (docs/blocks.md#device-dtype-and-quantization)."""
+    from blocks import BlocksError, resolve_serving
+    from peerd.bench.blocks import run_blocks_bench
+
+    try:
+        report = run_blocks_bench(model, start, end, resolve_serving(device, dtype, quant))
+    except (BlocksError, ValueError) as e:
+        typer.echo(f"peerd bench blocks: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(report) if as_json else "\n".join(f"{k}: {v}" for k, v in report.items()))
