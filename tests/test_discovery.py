@@ -18,8 +18,10 @@ from routing.discovery import (
     authentic,
     believe,
     buckets_of_span,
+    cell_of,
     choose_contacts,
     confirmed_record,
+    estimated_rtt,
     open_record,
     shard_count,
     shard_levels,
@@ -160,3 +162,17 @@ def test_shard_counts_grow_with_the_swarm_in_powers_of_two() -> None:
     assert counts[0] == 1 and counts == sorted(counts) and counts[-1] >= 128
     assert shard_levels(1) == (1, 2) and shard_levels(16) == (8, 16, 32)
     assert all(c & (c - 1) == 0 for c in counts)
+
+
+def test_a_cell_shard_keeps_only_records_whose_signed_coordinates_lie_in_it() -> None:
+    keys = key_pair(31)
+    here = (0.01, 0.01, 0.002)  # cell (0, 0) of 50 ms cells
+    shard = RecordShard(MODEL, NUM_BLOCKS, shard=0, shards=1, cell=cell_of(here))
+    shard.offer(sign_record(own_record(keys, 0, 8), keys.private_key, here), NOW)
+    far = (0.3, 0.01, 0.002)
+    with pytest.raises(ForgedRecord, match="not of cell"):
+        shard.offer(sign_record(own_record(keys, 0, 8), keys.private_key, far), NOW + 1)
+    with pytest.raises(ForgedRecord, match="not of cell"):  # no coordinates: no cell
+        shard.offer(sign_record(own_record(keys, 0, 8), keys.private_key), NOW + 2)
+    assert len(shard) == 1
+    assert estimated_rtt(here, far) == pytest.approx(0.29 + 0.004)
