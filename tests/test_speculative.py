@@ -338,7 +338,8 @@ def test_the_gateway_takes_speculate_but_never_a_draft_model_path() -> None:
 def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
     assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 1, 2, 3], 2) == [7, 1]  # latest 3-gram match
     assert lookup([4, 5, 6, 4, 5], 3) == [6, 4, 5]
-    assert lookup([4, 5, 6, 7, 5], 3) == []  # a one-token match proposes nothing
+    assert lookup([4, 5, 6, 7, 5], 3) == [6, 7, 5]  # a one-token match, when nothing longer
+    assert lookup([4, 5, 6, 7, 8], 3) == []
     assert lookup([1, 2], 4) == [] and lookup([1, 2, 1, 2], 0) == []
 
 
