@@ -13,11 +13,8 @@ accepted per pass through the swarm, and whether both produced the same tokens.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import statistics
-import subprocess
-import sys
 import time
 from typing import Any
 
@@ -40,38 +37,9 @@ NEW_TOKENS = 64
 
 def run_spec_bench(new_tokens: int = NEW_TOKENS, runs: int = 2) -> dict[str, Any]:
     """Build the WAN of `peerd bench wan`, run the measurement in the client's namespace."""
-    from peerd.bench.wan import DELAY_MS, RATE_MBIT, REFRESH_S, SPANS
-    from peerd.devtools import netns
-    from peerd.devtools.localswarm import LocalSwarm
+    from peerd.bench.wan import DELAY_MS, RATE_MBIT, SPANS, run_on_emulated_wan
 
-    with netns.topology() as topo:
-        hosts = [topo.add_public(f"s{i + 1}") for i in range(len(SPANS))]
-        client = topo.add_public("client")
-        for host in [*hosts, client]:
-            topo.shape(host, DELAY_MS, RATE_MBIT)
-        swarm = LocalSwarm(refresh_period=REFRESH_S, torch_threads=1)
-        try:
-            first, *rest = zip(hosts, SPANS, strict=True)
-            swarm.start(first[0].name, "{}:{}".format(*first[1]), host=first[0])
-            # The others need only the first: start them side by side (each loads torch).
-            with concurrent.futures.ThreadPoolExecutor(len(rest)) as pool:
-                started = [
-                    pool.submit(swarm.start, host.name, f"{start}:{end}", host=host)
-                    for host, (start, end) in rest
-                ]
-                for future in started:
-                    future.result()
-            inner = subprocess.run(
-                [*client.exec_args(), sys.executable, "-m", "peerd.bench.spec", "--inner",
-                 "--initial-peer", swarm.initial_peers[0], "--listen", client.ip,
-                 "--new-tokens", str(new_tokens), "--runs", str(runs)],
-                capture_output=True, text=True, timeout=1200,
-            )  # fmt: skip
-        finally:
-            swarm.stop()
-    if inner.returncode != 0:
-        raise RuntimeError(f"the client of the spec bench failed:\n{inner.stderr[-3000:]}")
-    report: dict[str, Any] = json.loads(inner.stdout.strip().splitlines()[-1])
+    report, _ = run_on_emulated_wan("peerd.bench.spec", new_tokens, runs, timeout_s=1200)
     report["link"] = {"one_way_delay_ms": DELAY_MS, "rate_mbit": RATE_MBIT, "hops": len(SPANS)}
     return report
 

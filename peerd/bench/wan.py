@@ -38,6 +38,17 @@ def one_way_delays(push: bool, hops: int) -> int:
 
 def run_wan_bench(new_tokens: int = 16, runs: int = 2) -> dict[str, Any]:
     """Build the topology, start the servers, run the measurement in the client's namespace."""
+    report, via = run_on_emulated_wan("peerd.bench.wan", new_tokens, runs, timeout_s=900)
+    report["link"] = {"one_way_delay_ms": DELAY_MS, "rate_mbit": RATE_MBIT, "via": via}
+    return report
+
+
+def run_on_emulated_wan(
+    module: str, new_tokens: int, runs: int, *, timeout_s: float
+) -> tuple[dict[str, Any], list[str]]:
+    """Start the servers of SPANS on hosts of an emulated WAN and run `python -m module --inner`
+    as the client in its own namespace; return the JSON object it printed last and the shaping
+    that was applied (what netem/tbf limited, per host)."""
     from peerd.devtools import netns
     from peerd.devtools.localswarm import LocalSwarm
 
@@ -58,18 +69,16 @@ def run_wan_bench(new_tokens: int = 16, runs: int = 2) -> dict[str, Any]:
                 for future in started:
                     future.result()
             inner = subprocess.run(
-                [*client.exec_args(), sys.executable, "-m", "peerd.bench.wan", "--inner",
+                [*client.exec_args(), sys.executable, "-m", module, "--inner",
                  "--initial-peer", swarm.initial_peers[0], "--listen", client.ip,
                  "--new-tokens", str(new_tokens), "--runs", str(runs)],
-                capture_output=True, text=True, timeout=900,
+                capture_output=True, text=True, timeout=timeout_s,
             )  # fmt: skip
         finally:
             swarm.stop()
     if inner.returncode != 0:
-        raise RuntimeError(f"the client of the WAN bench failed:\n{inner.stderr[-3000:]}")
-    report: dict[str, Any] = json.loads(inner.stdout.strip().splitlines()[-1])
-    report["link"] = {"one_way_delay_ms": DELAY_MS, "rate_mbit": RATE_MBIT, "via": sorted(shaping)}
-    return report
+        raise RuntimeError(f"the client ({module}) failed:\n{inner.stderr[-3000:]}")
+    return json.loads(inner.stdout.strip().splitlines()[-1]), sorted(shaping)
 
 
 def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
