@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from peerd.daemon.service import (
     stop_timeout,
     unit_text,
 )
-from peerd.devtools.localswarm import LocalSwarm
+from peerd.devtools.localswarm import LocalSwarm, scrape_metrics
 from peerd.session.inference import InferenceSession
 from peerd.session.leech import open_leech
 from tests.conftest import greedy_continuation
@@ -319,25 +318,6 @@ def test_log_lines_share_one_format_and_libp2p_speaks_only_when_debugging() -> N
 # --- real daemons -------------------------------------------------------------------------------
 
 
-def _scrape(port: int) -> dict[str, float]:
-    """name{labels} -> value of one scrape."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            values[key] = float(value)
-    return values
-
-
-def _metrics_port(output: list[str]) -> int:
-    for line in output:
-        if m := re.match(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", line):
-            return int(m.group(1))
-    raise AssertionError(f"no metrics line in the banner: {output}")
-
-
 def _tracebacks(log: Path) -> list[str]:
     text = log.read_text(errors="replace")
     return [text[max(0, i - 200) : i + 1500] for i in [m.start() for m in
@@ -353,19 +333,19 @@ def test_metrics_move_during_a_generation() -> None:
     try:
         server = swarm.start("x", "0:30", "--metrics-port", "0")
         client_daemon = swarm.start("y", "none", "--metrics-port", "0")
-        server_port = _metrics_port(server.output)
-        client_port = _metrics_port(client_daemon.output)
-        before = _scrape(server_port)
+        server_port = server.metrics_port()
+        client_port = client_daemon.metrics_port()
+        before = scrape_metrics(server_port)
         assert before["peerd_steps_total"] == 0 and before["peerd_sessions_open"] == 0
         assert before["peerd_cache_tokens_free"] > 0
         during: dict[str, float] = {}
         with Client(client_daemon.socket) as client:
             for pieces, _ in enumerate(client.generate(PROMPT, max_new_tokens=24, stream=True)):
                 if pieces == 12:
-                    during = _scrape(server_port)
+                    during = scrape_metrics(server_port)
         time.sleep(1.2)  # one more tokens/s sample
-        after = _scrape(server_port)
-        api = _scrape(client_port)
+        after = scrape_metrics(server_port)
+        api = scrape_metrics(client_port)
         print(
             f"mid-generation: {during['peerd_sessions_open']:.0f} open session, "
             f"{during['peerd_steps_total']:.0f} steps, "

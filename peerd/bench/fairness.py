@@ -22,7 +22,6 @@ import itertools
 import math
 import statistics
 import time
-import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -32,7 +31,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 import blocks
 import wire
-from peerd.devtools.localswarm import DaemonProcess, LocalSwarm
+from peerd.devtools.localswarm import DaemonProcess, LocalSwarm, scrape_metrics
 from peerd.node.p2p import open_node, parse_peer_maddr
 from peerd.sdk.async_client import AsyncClient
 from peerd.session.generation import Generator
@@ -54,29 +53,11 @@ CONTRIBUTOR_PROMPT = "Once upon a time, there was a little"
 STANDING_WAIT_S = 240.0
 
 
-def _metrics_port(daemon: DaemonProcess) -> int:
-    for line in daemon.output:
-        if "metrics on http://127.0.0.1:" in line:
-            return int(line.split("127.0.0.1:")[1].split("/")[0])
-    raise RuntimeError(f"daemon {daemon.name} printed no metrics address: {daemon.output}")
-
-
-def _scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            values[key] = float(value)
-    return values
-
-
 async def _work(ports: list[int]) -> dict[str, float]:
     """Tokens the servers ran, by class, summed over the servers."""
     out = {"contributor": 0.0, "taker": 0.0}
     for port in ports:
-        values = await trio.to_thread.run_sync(_scrape, port)
+        values = await trio.to_thread.run_sync(scrape_metrics, port)
         for kind in out:
             out[kind] += values.get(f'peerd_priority_work_total{{class="{kind}",queue="turns"}}', 0)
     return out
@@ -87,7 +68,7 @@ async def _wait_for_standing(ports: list[int]) -> float:
     began = time.monotonic()
     with trio.fail_after(STANDING_WAIT_S):
         while True:
-            scrapes = [await trio.to_thread.run_sync(_scrape, port) for port in ports]
+            scrapes = [await trio.to_thread.run_sync(scrape_metrics, port) for port in ports]
             if all(s.get("peerd_contributors", 0) >= 1 for s in scrapes):
                 return time.monotonic() - began
             await trio.sleep(2)
@@ -191,7 +172,7 @@ async def _loaded(
 
 
 async def _measure(swarm: LocalSwarm, contributor: DaemonProcess, args: dict) -> dict[str, Any]:
-    ports = [_metrics_port(d) for d in swarm.daemons[: len(SPANS)]]
+    ports = [d.metrics_port() for d in swarm.daemons[: len(SPANS)]]
     waited = await _wait_for_standing(ports)
     sessions = args["contributor_sessions"]
     await _contributor(contributor, sessions, 4, 1)  # warm-up

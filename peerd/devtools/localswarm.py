@@ -11,6 +11,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,6 +94,26 @@ class DaemonProcess:
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
+
+    def metrics_port(self) -> int:
+        """The port of its Prometheus /metrics (started with --metrics-port), from its banner."""
+        for line in self.output:
+            if m := re.match(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", line):
+                return int(m.group(1))
+        raise RuntimeError(f"daemon {self.name} printed no metrics address: {self.output}")
+
+
+def scrape_metrics(port: int, timeout: float = 30.0) -> dict[str, float]:
+    """One scrape of a daemon's /metrics: `name{labels}` -> value."""
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        text = reply.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
 
 
 class LocalSwarm:
