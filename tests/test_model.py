@@ -137,13 +137,12 @@ def test_output_hidden_states_are_the_final_normed_states(
     assert ours.cache is None  # a session of its own, closed again
 
 
-def test_modes_that_rewind_the_cache_are_refused_clearly(
+def test_beam_search_is_refused_clearly(
     model: DistributedModelForCausalLM, prompt: torch.Tensor
 ) -> None:
+    """(Prompt lookup, refused here before, is speculative decoding now: tests/test_speculative.)"""
     with pytest.raises(UnsupportedGeneration, match="beam search needs the servers"):
         model.generate(prompt, max_new_tokens=4, num_beams=2)
-    with pytest.raises(UnsupportedGeneration, match="roll their KV caches back"):
-        model.generate(prompt, max_new_tokens=4, prompt_lookup_num_tokens=3)
 
 
 def test_an_interrupted_generation_leaves_the_model_usable(
