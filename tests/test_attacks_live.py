@@ -12,7 +12,10 @@ import pytest
 from peerd.bench.attack import run_attack_bench
 from peerd.bench.attack_catalogue import CATALOGUE, NOT_ROUTED
 
-pytestmark = pytest.mark.multiprocess
+# Not in CI (130-225 s there): each attack's handling is tested in process (test_hostile_inputs,
+# test_hostile_replies, test_fuzz_*, test_training_limits); this is the whole catalogue against
+# live daemons, as `peerd bench attack` runs it. `bash scripts/test.sh -m quality` runs it.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.quality]
 
 
 @pytest.mark.timeout(1500)  # 12 min on a 2-core machine shared by 8 busy engineers (load ~20)

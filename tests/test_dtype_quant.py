@@ -107,6 +107,7 @@ def test_block_bytes_predicts_a_mixtral_shaped_block(quant: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.quality
 def test_llama3_8b_shaped_block_memory_and_prediction() -> None:
     config = llama3_8b_shaped()
     full = blocks.block_bytes(config, torch.float32)  # exact for plain weights (test above)
@@ -190,6 +191,7 @@ async def swarm_perplexity(
 
 
 @pytest.mark.slow
+@pytest.mark.quality
 async def test_perplexity_through_the_swarm_in_each_dtype_and_quant(checkpoint: Path) -> None:
     """Issue 18's quality bounds against float32: bfloat16 within 1%, int8 3%, nf4 35%."""
     client = blocks.load_client_side(checkpoint)  # float32: only the servers' blocks differ

@@ -380,6 +380,7 @@ def test_default_model_prompt_gradients_match_local_autograd(
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.quality  # 75-90 s of training; the gradient parity tests above stay in CI
 def test_thirty_steps_of_deep_prompt_tuning_halve_the_loss(tuned_default: Any) -> None:
     from examples.ptune import train
 
