@@ -12,12 +12,11 @@ import torch
 import trio
 
 import blocks
-from peerd.devtools.localswarm import LocalSwarm
+from peerd.devtools.localswarm import LocalSwarm, scrape_metrics
 from peerd.server.batching import GATHER_MIN_S, MERGE_MAX_TOKENS, StepBatcher
 from peerd.server.compute import ComputeQueue
 from peerd.session.leech import open_leech
 from tests.conftest import greedy_continuation
-from tests.test_operations import _metrics_port, _scrape
 from tests.tiny_models import save_tiny
 
 
@@ -178,7 +177,7 @@ async def test_pushed_steps_of_concurrent_sessions_merge_on_the_next_server(
     try:
         swarm.start("a", "0:15")
         second = swarm.start("b", "15:30", "--metrics-port", "0")
-        port = _metrics_port(second.output)
+        port = second.metrics_port()
         async with open_leech("default", swarm.initial_peers) as leech:
             texts: dict[str, str] = {}
 
@@ -190,7 +189,7 @@ async def test_pushed_steps_of_concurrent_sessions_merge_on_the_next_server(
             async with trio.open_nursery() as nursery:
                 for prompt in prompts:
                     nursery.start_soon(generate, prompt)
-        metrics = _scrape(port)
+        metrics = scrape_metrics(port)
         print(f"second server: {metrics['peerd_steps_total']:.0f} steps in "
               f"{metrics['peerd_forwards_total']:.0f} forwards, "
               f"{metrics['peerd_merged_steps_total']:.0f} of them merged")  # fmt: skip
