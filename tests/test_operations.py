@@ -443,7 +443,9 @@ async def test_sigterm_to_the_unit_moves_the_generation_to_the_other_server(
         unit_process = _UnitProcess(unit, tmp_path)
         # b and c start beside the unit's daemon: `a` is everyone's initial peer.
         with ThreadPoolExecutor(max_workers=2) as pool:
-            other_start = pool.submit(swarm.start, "b", "10:20")
+            # b announces 2 tokens/s (the unit 200): the route takes the unit until it drains
+            # (CI once routed through b from the start, and the SIGTERM had nothing to move).
+            other_start = pool.submit(swarm.start, "b", "10:20", "--throughput", "2")
             pool.submit(swarm.start, "c", "20:30").result()
             other = other_start.result()
         unit_peer = await trio.to_thread.run_sync(unit_process.wait_ready)
