@@ -12,7 +12,6 @@ accepted per pass through the swarm, and whether both produced the same tokens.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -150,15 +149,9 @@ def bench_spec(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="the client half of `peerd bench spec`")
-    parser.add_argument("--inner", action="store_true", required=True)
-    parser.add_argument("--initial-peer", required=True)
-    parser.add_argument("--listen", required=True)
-    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
-    parser.add_argument("--runs", type=int, default=2)
-    args = parser.parse_args()
-    report = _inner(args.initial_peer, args.listen, args.new_tokens, args.runs)
-    print(json.dumps(report), flush=True)
+    from peerd.bench.wan import inner_main
+
+    inner_main("spec", _inner, NEW_TOKENS)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 SPANS = ((0, 10), (10, 20), (20, 30))
@@ -156,16 +157,24 @@ def _inner(initial_peer: str, listen: str, new_tokens: int, runs: int) -> dict[s
     return trio.run(measure)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="the client half of `peerd bench wan`")
+def inner_main(
+    bench: str, inner: Callable[[str, str, int, int], dict[str, Any]], new_tokens: int
+) -> None:
+    """The client half that run_on_emulated_wan starts in its namespace: parse the arguments it
+    passes, run `inner(initial_peer, listen, new_tokens, runs)`, print its report as JSON."""
+    parser = argparse.ArgumentParser(description=f"the client half of `peerd bench {bench}`")
     parser.add_argument("--inner", action="store_true", required=True)
     parser.add_argument("--initial-peer", required=True)
     parser.add_argument("--listen", required=True)
-    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
     parser.add_argument("--runs", type=int, default=2)
     args = parser.parse_args()
-    report = _inner(args.initial_peer, args.listen, args.new_tokens, args.runs)
+    report = inner(args.initial_peer, args.listen, args.new_tokens, args.runs)
     print(json.dumps(report), flush=True)
+
+
+def main() -> None:
+    inner_main("wan", _inner, 16)
 
 
 if __name__ == "__main__":
