@@ -237,22 +237,30 @@ async def test_the_batcher_runs_a_contributors_step_before_a_takers(
     assert done == (["contributor", "taker"] if enabled else ["taker", "contributor"])
 
 
-@pytest.mark.parametrize("enabled", [True, False], ids=["standing", "fifo"])
-async def test_by_standing_a_long_prefill_runs_in_short_turns(
-    span: blocks.Span, enabled: bool
+@pytest.mark.parametrize(
+    ("enabled", "busy", "forwards"),
+    [(True, True, 4), (True, False, 1), (False, True, 1)],
+    ids=["standing-busy", "standing-alone", "fifo-busy"],
+)
+async def test_by_standing_a_long_prefill_runs_in_short_turns_while_others_use_the_server(
+    span: blocks.Span, enabled: bool, busy: bool, forwards: int
 ) -> None:
-    """A contributor's step cannot preempt a turn under way: by standing, turns of a long step
-    are PRIORITY_TURN_TOKENS long (fifo: a whole chunk), with the same result."""
+    """A contributor's step cannot preempt a turn under way: by standing, while another
+    peer stepped lately, turns of a long step are PRIORITY_TURN_TOKENS long; alone on the server (or
+    fifo) it runs a whole chunk at once. The same result either way."""
     cache = MemoryCache(budget_tokens=10_000)
     prompt = torch.randn(1, 3 * PRIORITY_TURN_TOKENS + 8, 32)
     assert span.chunk_tokens >= prompt.shape[1]
     with cache.open_session(1, 256) as reference:
         want = span(prompt, reference)
     batcher = StepBatcher(ComputeQueue(), priority=_contributor_priority(enabled))
-    with cache.open_session(1, 256) as session:
+    with cache.open_session(1, 256) as session, cache.open_session(1, 8) as other:
+        if busy:  # another peer's session stepped just now
+            await batcher.run(span, other, torch.randn(1, 1, 32), owner="other")
+        before = batcher.counters.forwards
         got = await batcher.run(span, session, prompt, owner="taker")
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
-    assert batcher.counters.forwards == (4 if enabled else 1)
+    assert batcher.counters.forwards - before == forwards
 
 
 async def test_the_admission_queue_admits_a_contributor_before_an_earlier_taker(

@@ -9,8 +9,10 @@ into a single forward, or one piece of a long prefill on its own. Turns go to th
 least recently (then to the oldest step), so a client with a long prompt or many sessions cannot
 starve the others: a long prefill runs a chunk per turn, and decode rounds run between its chunks.
 With a `Priority` (peerd.server.priority), that fair order is then rearranged by standing:
-contributors' steps first, takers keeping their guaranteed share of the tokens run, and a long
-step's turns are cut to PRIORITY_TURN_TOKENS so a contributor's step never waits long for one.
+contributors' steps first, takers keeping their guaranteed share of the tokens run, and while
+other sessions use the server a long step's turns are cut to PRIORITY_TURN_TOKENS so a
+contributor's step never waits long for one (with no other peer about, a prefill keeps its whole
+chunks: short turns cost a lone prompt about a third more time to its first token).
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class _Recent:
     """What the batcher remembers of a session that stepped lately."""
 
     session: SpanSession
+    owner: str  # the peer whose session it is
     at: float  # when its last step came
     period: float = 0.0  # smoothed time between its steps (0: one step so far)
     cohort: int = 0  # the merged round that ran its last step (0: it ran alone)
@@ -75,6 +78,7 @@ class _Step:
     error: BaseException | None = None
     finished: bool = False
     abandoned: bool = False  # its caller went away (cancelled)
+    shared: bool = False  # other peers stepped lately: a long step runs in short turns
 
     @property
     def left(self) -> int:
@@ -151,11 +155,15 @@ class StepBatcher:
         now = trio.current_time()
         recent = self._recent.get(id(session))
         if recent is None or recent.session is not session:
-            recent = self._recent[id(session)] = _Recent(session, now)
+            recent = self._recent[id(session)] = _Recent(session, owner, now)
         else:
             interval = now - recent.at
             recent.period = interval if not recent.period else 0.7 * recent.period + 0.3 * interval
             recent.at = now
+        step.shared = any(
+            other.owner != owner and now - other.at <= ACTIVE_S and not other.session.closed
+            for other in self._recent.values()
+        )
         with self._lock:
             self._waiting.append(step)
         try:
@@ -253,6 +261,7 @@ class StepBatcher:
                     longest = max(longest, step.left)
                     sessions.add(id(step.session))
         alone = len(batch) == 1 and head.left > MERGE_MAX_TOKENS
+        head.shared |= any(step.owner != head.owner for step in queue)
         for step in batch:
             self._waiting.remove(step)
             self._last_turn[step.owner] = turn
@@ -266,7 +275,7 @@ class StepBatcher:
 
     def _turn_tokens(self, step: _Step) -> int:
         """Tokens of a long step one turn runs."""
-        if self.priority is not None and self.priority.enabled:
+        if self.priority is not None and self.priority.enabled and step.shared:
             return min(step.span.chunk_tokens, PRIORITY_TURN_TOKENS)
         return step.span.chunk_tokens
 
