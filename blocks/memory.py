@@ -14,14 +14,15 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from blocks.families import family_of, prepare_config
-from blocks.quant import quantized_bytes
+from blocks.quant import experts_bytes, fused_experts, quantized_bytes
 
 
 def block_bytes(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none") -> int:
     """Bytes of one block's parameters and buffers, the parameters in `dtype` (as load_span
     converts them) and the buffers in the dtype the layer makes them with. With `quant` int8 or
     nf4, each nn.Linear counts as its bitsandbytes twin holds it (blocks.quant): codes, scales
-    and bias; what is not a linear layer (norms, Mixtral's fused experts) stays in `dtype`."""
+    and bias, and so does each expert's projection of a fused experts module (Mixtral's);
+    the rest (norms, routers) stays in `dtype`."""
     layer = _meta_block(config)
     quantized: set[int] = set()
     linears = 0
@@ -29,7 +30,11 @@ def block_bytes(config: PretrainedConfig, dtype: torch.dtype, quant: str = "none
         for module in layer.modules():
             if type(module) is nn.Linear:
                 linears += quantized_bytes(module, quant, dtype)
-                quantized.update(id(p) for p in module.parameters())
+            elif fused_experts(module):
+                linears += experts_bytes(module, quant)
+            else:
+                continue
+            quantized.update(id(p) for p in module.parameters())
     rest = sum(p.numel() for p in layer.parameters() if id(p) not in quantized)
     buffers = sum(b.numel() * b.element_size() for b in layer.buffers())
     return linears + rest * _element_size(dtype) + buffers
