@@ -79,6 +79,9 @@ VERIFY_FRACTION = typer.Option(
 BATCHING = typer.Option(
     True, "--batching/--no-batching", help="Merge concurrent clients' steps into one forward."
 )
+MAX_BATCH_SIZE = typer.Option(
+    32, min=1, help="Most rows (sequences) one merged forward of clients' steps may take."
+)
 ANNOUNCE_MADDRS = typer.Option(
     [],
     "--announce-maddrs",
@@ -144,6 +147,7 @@ def start(
     adapters: list[Path] = ADAPTERS,
     verify_fraction: float = VERIFY_FRACTION,
     batching: bool = BATCHING,
+    max_batch_size: int = MAX_BATCH_SIZE,
     device: str = DEVICE,
     dtype: str = DTYPE,
     quant: str = QUANT,
@@ -203,6 +207,9 @@ def _daemon_config(flags: dict[str, Any]) -> DaemonConfig:
         flags["blocks"] = None  # serve nothing: a pure client of the swarm
     for many in ("initial_peers", "host_maddrs", "adapters", "announce_maddrs", "client_models"):
         flags[many] = list(flags[many])
+    from peerd.server.block_server import ServerLimits
+
+    flags["limits"] = ServerLimits(max_merged_rows=flags.pop("max_batch_size"))
     on = (flags.pop("device"), flags.pop("dtype"), flags.pop("quant"))
     flags["serving"] = _serving(*on, flags["model"])
     return DaemonConfig(**flags)

@@ -35,7 +35,7 @@ from peerd.server.admission import (
     AdapterMissing,
     Admission,
 )
-from peerd.server.batching import StepBatcher
+from peerd.server.batching import MAX_BATCH_ROWS, StepBatcher
 from peerd.server.boundary import OPEN_TIMEOUT_S, stream_boundary
 from peerd.server.compute import ComputeQueue
 from peerd.server.local_session import LocalSession
@@ -87,6 +87,9 @@ class ServerLimits:
     # Training requests queued or running: per peer, and of all peers together.
     max_training_per_peer: int = MAX_TRAINING_PER_PEER
     max_training_inflight: int = MAX_TRAINING_INFLIGHT
+    # Rows one merged forward of several sessions' steps may take (peerd start --max-batch-size);
+    # a session's own step, up to max_batch_size rows, always runs, alone if need be.
+    max_merged_rows: int = MAX_BATCH_ROWS
 
 
 @dataclass
@@ -133,11 +136,10 @@ class BlockServer:
         self.adapters = adapters  # LoRA adapters the span is loaded with (named in the record)
         self._start, self._end = start, end
         self.compute = compute
-        # Concurrent steps of different sessions share a forward (batching=False: one each).
-        self.batcher = StepBatcher(compute, enabled=batching, priority=self._priority(priority))
+        self.limits = limits or ServerLimits()
+        self.batcher = self._batcher(batching, priority)
         self.peer_id = peer_id
         self.addrs = addrs
-        self.limits = limits or ServerLimits()
         self.record_ttl = record_ttl
         self.state = ServerState.JOINING
         self.counters = ServerCounters()
@@ -163,6 +165,16 @@ class BlockServer:
         self._corrupt_fraction = float(os.environ.get(TEST_CORRUPT_ENV) or 0.0)
         if self._corrupt_fraction:
             log.warning("%s is set: this server returns WRONG results", TEST_CORRUPT_ENV)
+
+    def _batcher(self, batching: bool, priority: str) -> StepBatcher:
+        """Concurrent steps of different sessions share a forward of at most
+        limits.max_merged_rows rows (batching=False: one each)."""
+        rows = self.limits.max_merged_rows
+        if rows < 1:
+            raise ValueError(f"max_merged_rows {rows}: give 1 or more")
+        return StepBatcher(
+            self.compute, enabled=batching, max_rows=rows, priority=self._priority(priority)
+        )
 
     def _priority(self, mode: str) -> Priority:
         if mode not in ("standing", "fifo"):
