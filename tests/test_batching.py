@@ -201,3 +201,41 @@ async def test_pushed_steps_of_concurrent_sessions_merge_on_the_next_server(
             assert texts[prompt] == tokenizer.decode(want), prompt
     finally:
         swarm.stop()
+
+
+async def test_speculative_passes_merge_and_roll_back_like_any_steps(span: blocks.Span) -> None:
+    """A speculative pass is a multi-token step (the pending token and k drafts, at most
+    MERGE_MAX_TOKENS): concurrent passes of several sessions merge into one forward with each
+    one's own result, and after each session rolls back to the drafts that stood (as the next
+    step's start position makes a server do), the next passes merge again and still give what
+    the same steps give run alone."""
+    cache = blocks.MemoryCache(budget_tokens=10_000)
+    lengths = [3, 7, 12, 5]
+    drafts = [4, 2, 8, 6]
+    stood = [1, 2, 0, 6]
+    assert max(drafts) + 1 <= MERGE_MAX_TOKENS
+    alone, merged = _prefilled(span, cache, lengths), _prefilled(span, cache, lengths)
+    batcher = StepBatcher(ComputeQueue())
+    torch.manual_seed(11)
+    for _ in range(2):
+        starts = [s.position for s in merged]
+        steps = [torch.randn(1, k + 1, 32) for k in drafts]
+        want = [span(h, s) for h, s in zip(steps, alone, strict=True)]
+        got: dict[int, torch.Tensor] = {}
+        forwards, merged_steps = batcher.counters.forwards, batcher.counters.merged_steps
+
+        async def client(i: int, step: torch.Tensor, out: dict[int, torch.Tensor]) -> None:
+            out[i] = await batcher.run(span, merged[i], step, owner=f"peer{i}")
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(lengths)):
+                nursery.start_soon(client, i, steps[i], got)
+        for i, w in enumerate(want):
+            assert float((got[i] - w).abs().max()) <= 1e-5 * float(w.abs().max())
+        # The first pass may start alone before the others arrive; the rest wait and merge.
+        assert batcher.counters.forwards - forwards <= 2
+        assert batcher.counters.merged_steps - merged_steps >= len(lengths) - 1
+        for i, start in enumerate(starts):
+            for session in (alone[i], merged[i]):
+                assert session.position == start + drafts[i] + 1
+                session.rollback(start + 1 + stood[i])
