@@ -17,10 +17,9 @@ import torch
 
 import blocks
 import wire
-from peerd.session.drafting import Draft, PromptLookup, lookup, lookup_match
+from peerd.session.drafting import Draft, lookup
 from peerd.session.generation import Generator
 from peerd.session.inference import InferenceSession
-from peerd.session.sampling import SamplingParams
 from peerd.session.speculative import (
     Adaptive,
     Fixed,
@@ -342,39 +341,6 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match() -> None:
     assert lookup([4, 5, 6, 7, 5], 3) == [6, 7, 5]  # a one-token match, when nothing longer
     assert lookup([4, 5, 6, 7, 8], 3) == []
     assert lookup([1, 2], 4) == [] and lookup([1, 2, 1, 2], 0) == []
-
-
-def test_auto_learns_each_kind_of_draft_apart() -> None:
-    """Open chat: drafts after a one-token match fall, drafts after a three-token match stand.
-    Auto stops sending the first kind (but for its probes) and keeps sending the second."""
-    auto = Adaptive()
-    for _ in range(20):
-        auto.record(5, 4, 0, 0.1 + 0.002 * 4, "1-gram")
-        auto.record(5, 4, 3, 0.1 + 0.002 * 4, "3-gram")
-    assert [auto.k("1-gram") for _ in range(16)].count(0) == 15
-    assert auto.k("3-gram") >= 3
-    assert lookup_match([4, 5, 6, 7, 5], 3) == (1, [6, 7, 5])
-    assert lookup_match([1, 2, 3, 9, 1, 2, 3], 2) == (3, [9, 1])
-
-
-async def test_a_cheap_drafts_guess_is_cut_to_what_its_kind_earns() -> None:
-    """The decoder asks the policy per source: a one-token match's guess is dropped whole once
-    that kind stopped paying, a longer match's is sent."""
-    auto = Adaptive()
-    for _ in range(20):
-        auto.record(5, 4, 0, 0.1 + 0.002 * 4, "1-gram")
-        auto.record(5, 4, 4, 0.1 + 0.002 * 4, "3-gram")
-    auto.acceptance("1-gram").off_passes = 1  # not a probing pass next
-    decoder = SpeculativeDecoder(
-        lambda ids: ids,
-        lambda rows: rows,
-        PromptLookup(),
-        auto,
-        SamplingParams(),
-        torch.Generator(),
-    )
-    assert (await decoder._draft([4, 5, 6, 7, 5], 8)).tokens == []  # a one-token match
-    assert (await decoder._draft([1, 2, 3, 9, 8, 1, 2, 3], 8)).tokens == [9, 8, 1, 2, 3]
 
 
 def test_auto_drafts_where_it_pays_and_turns_itself_off_where_it_does_not() -> None:

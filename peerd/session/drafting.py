@@ -35,9 +35,6 @@ class Draft:
 
     tokens: list[int]
     probs: torch.Tensor | None = None
-    # What kind of guess it is, for `auto` to learn how often each kind stands: prompt lookup's
-    # drafts after a one-token match are mostly chance in open text, after a longer one often not.
-    source: str = ""
 
 
 class Drafter(Protocol):
@@ -51,28 +48,21 @@ class Drafter(Protocol):
 
 class PromptLookup:
     """Prompt lookup decoding: find the latest earlier occurrence of the text's last n tokens
-    (n from MAX_NGRAM down to MIN_NGRAM) and propose the k tokens that followed it; the draft's
-    source says how long the match was ("1-gram", "2-gram", ...)."""
+    (n from MAX_NGRAM down to MIN_NGRAM) and propose the k tokens that followed it."""
 
     cheap = True  # a list search: run on the event loop, not in a worker thread
 
     def propose(
         self, sequence: Sequence[int], k: int, params: SamplingParams, generator: torch.Generator
     ) -> Draft:
-        n, tokens = lookup_match(sequence, k)
-        return Draft(tokens, source=f"{n}-gram" if tokens else "")
+        return Draft(lookup(sequence, k))
 
 
 def lookup(sequence: Sequence[int], k: int) -> list[int]:
     """Up to `k` tokens that followed the latest earlier match of the sequence's longest
     matching suffix (MAX_NGRAM..MIN_NGRAM tokens); [] when nothing matches."""
-    return lookup_match(sequence, k)[1]
-
-
-def lookup_match(sequence: Sequence[int], k: int) -> tuple[int, list[int]]:
-    """(the matched suffix's length, what `lookup` proposes); (0, []) when nothing matches."""
     if k <= 0:
-        return 0, []
+        return []
     seq = list(sequence)
     for n in range(min(MAX_NGRAM, len(seq) - 1), MIN_NGRAM - 1, -1):
         suffix = seq[-n:]
@@ -81,8 +71,8 @@ def lookup_match(sequence: Sequence[int], k: int) -> tuple[int, list[int]]:
             if seq[start : start + n] == suffix:
                 follow = seq[start + n : start + n + k]
                 if follow:
-                    return n, follow
-    return 0, []
+                    return follow
+    return []
 
 
 class DraftModel:

@@ -11,8 +11,7 @@ as plain sampling's; every random draw comes from the generation's seeded genera
 draft's keys and values stay in the servers' caches until the next step, whose start position
 rolls every hop back (InferenceSession.rollback: no extra round trip).
 
-`auto` (Adaptive) picks k each pass from the measured acceptance rate of that kind of draft (prompt
-lookup after a one-token match, after a longer one, a draft model) and the measured cost of a
+`auto` (Adaptive) picks k each pass from the measured acceptance rate and the measured cost of a
 pass (chain latency plus a cost per extra token), and drafts nothing while speculation would not
 pay, probing now and then in case the text turned repetitive.
 """
@@ -66,17 +65,11 @@ def parse_speculate(text: str, num_tokens: int | None = None) -> Speculation:
 
 
 class Policy(Protocol):
-    """How many drafts the next pass carries, and what it learns from each pass. `source` is the
-    kind of draft (Draft.source): a cheap drafter guesses first and the policy then decides how
-    much of the guess to send; an expensive one is asked for k drafts of source ""."""
+    """How many drafts the next pass carries, and what it learns from each pass."""
 
-    def k(self, source: str = "") -> int: ...
+    def k(self) -> int: ...
 
-    def limit(self) -> int: ...
-
-    def record(
-        self, tokens: int, drafts: int, accepted: int, seconds: float | None, source: str = ""
-    ) -> None: ...
+    def record(self, tokens: int, drafts: int, accepted: int, seconds: float | None) -> None: ...
 
 
 @dataclass
@@ -87,15 +80,10 @@ class Fixed:
     passes: int = 0
     accepted: int = 0
 
-    def k(self, source: str = "") -> int:
+    def k(self) -> int:
         return self.tokens
 
-    def limit(self) -> int:
-        return self.tokens
-
-    def record(
-        self, tokens: int, drafts: int, accepted: int, seconds: float | None, source: str = ""
-    ) -> None:
+    def record(self, tokens: int, drafts: int, accepted: int, seconds: float | None) -> None:
         self.passes += 1
         self.accepted += accepted
 
@@ -144,63 +132,38 @@ class PassCost:
 
 
 @dataclass
-class Acceptance:
-    """How often drafts of one source stood lately (successes over trials, fading by DECAY),
-    and how many passes in a row it was off."""
+class Adaptive:
+    """`auto`: the k that maximises expected tokens per second of a pass, E(k) / T(k + 1), with
+    E(k) = 1 + a + ... + a^k for acceptance rate a (each draft stands with probability a once
+    the ones before it did) and T the pass cost fitted to the passes timed so far (PassCost);
+    k = 0 (speculation off) unless that beats a plain pass by MARGIN."""
 
+    max_k: int = DEFAULT_TOKENS["auto"]
     successes: float = 1.0  # a prior of one draft in three standing
     trials: float = 3.0
+    cost: PassCost = field(default_factory=PassCost)
     off_passes: int = 0
+    passes: int = 0
+    accepted: int = 0
 
     @property
     def rate(self) -> float:
         return min(self.successes / self.trials, 0.999)
 
-    def add(self, drafts: int, accepted: int) -> None:
-        trials = accepted + (1 if accepted < drafts else 0)
-        self.successes = (1 - DECAY) * self.successes + accepted
-        self.trials = (1 - DECAY) * self.trials + trials
-
-
-@dataclass
-class Adaptive:
-    """`auto`: the k that maximises expected tokens per second of a pass, E(k) / T(k + 1), with
-    E(k) = 1 + a + ... + a^k for acceptance rate a (each draft stands with probability a once
-    the ones before it did) and T the pass cost fitted to the passes timed so far (PassCost);
-    k = 0 (speculation off) unless that beats a plain pass by MARGIN. The rate is kept per draft
-    source: in open chat, prompt lookup's drafts after a one-token match mostly fall while those
-    after a longer match often stand, so auto can drop the first and keep the second."""
-
-    max_k: int = DEFAULT_TOKENS["auto"]
-    cost: PassCost = field(default_factory=PassCost)
-    sources: dict[str, Acceptance] = field(default_factory=dict)
-    passes: int = 0
-    accepted: int = 0
-
-    def acceptance(self, source: str = "") -> Acceptance:
-        return self.sources.setdefault(source, Acceptance())
-
-    @property
-    def rate(self) -> float:
-        return self.acceptance().rate
-
-    def limit(self) -> int:
-        return self.max_k
-
-    def k(self, source: str = "") -> int:
-        kind = self.acceptance(source)
-        best = self._best(kind.rate)
+    def k(self) -> int:
+        best = self._best()
         if best == 0:
-            kind.off_passes += 1
-            if kind.off_passes % PROBE_EVERY == 0:
+            self.off_passes += 1
+            if self.off_passes % PROBE_EVERY == 0:
                 return 1
         return best
 
-    def _best(self, rate: float) -> int:
+    def _best(self) -> int:
         fitted = self.cost.fit()
         if fitted is None:
             return max(1, self.max_k // 2)  # no timing yet: the first passes find out
         latency, per_token = fitted
+        rate = self.rate
         best = max(
             range(1, self.max_k + 1),
             key=lambda k: expected_tokens(rate, k) / (latency + k * per_token),
@@ -208,13 +171,13 @@ class Adaptive:
         speed = expected_tokens(rate, best) / (latency + best * per_token)
         return best if speed >= MARGIN / latency else 0
 
-    def record(
-        self, tokens: int, drafts: int, accepted: int, seconds: float | None, source: str = ""
-    ) -> None:
+    def record(self, tokens: int, drafts: int, accepted: int, seconds: float | None) -> None:
         self.passes += 1
         self.accepted += accepted
         if drafts:
-            self.acceptance(source).add(drafts, accepted)
+            trials = accepted + (1 if accepted < drafts else 0)
+            self.successes = (1 - DECAY) * self.successes + accepted
+            self.trials = (1 - DECAY) * self.trials + trials
         if seconds is not None:
             self.cost.add(tokens, seconds)
 
@@ -328,8 +291,8 @@ class SpeculativeDecoder:
             while produced < max_new_tokens:
                 start = chain.position
                 room = chain.max_length - start - len(pending)
-                most = max(0, min(self.policy.limit(), max_new_tokens - produced - 1, room))
-                draft = await self._draft(sequence, most)
+                k = max(0, min(self.policy.k(), max_new_tokens - produced - 1, room))
+                draft = await self._draft(sequence, k)
                 step = pending + draft.tokens
                 sent = time.perf_counter()
                 hidden = await chain.step(self.embed(torch.tensor([step])))
@@ -338,7 +301,7 @@ class SpeculativeDecoder:
                 accepted, token = await trio.to_thread.run_sync(self._verify, rows, sequence, draft)
                 # The prompt's pass is no measure of a decode pass's cost.
                 timed = seconds if produced > 0 else None
-                self.policy.record(len(step), len(draft.tokens), accepted, timed, draft.source)
+                self.policy.record(len(step), len(draft.tokens), accepted, timed)
                 self.tally.passes += 1
                 self.tally.drafted += len(draft.tokens)
                 self.tally.accepted += accepted
@@ -357,22 +320,12 @@ class SpeculativeDecoder:
             if consistent is not None and chain.position > consistent:
                 chain.rollback(consistent)
 
-    async def _draft(self, sequence: list[int], most: int) -> Draft:
-        """At most `most` drafts, as many as the policy gives their source."""
-        if most <= 0:
-            return Draft([])
-        if getattr(self.drafter, "cheap", False):  # microseconds: less than a hand-off costs
-            # Guess first, then send as much of the guess as its kind of draft earns.
-            draft = self.drafter.propose(list(sequence), most, self.params, self.generator)
-            if not draft.tokens:
-                return draft
-            k = min(self.policy.k(draft.source), most)
-            probs = None if draft.probs is None else draft.probs[:k]
-            return Draft(draft.tokens[:k], probs, draft.source)
-        k = min(self.policy.k(), most)
+    async def _draft(self, sequence: list[int], k: int) -> Draft:
         if k <= 0:
             return Draft([])
         args = (list(sequence), k, self.params, self.generator)
+        if getattr(self.drafter, "cheap", False):  # microseconds: less than a hand-off costs
+            return self.drafter.propose(*args)
         return await trio.to_thread.run_sync(self.drafter.propose, *args)
 
     def _verify(self, rows: torch.Tensor, sequence: list[int], draft: Draft) -> tuple[int, int]:
