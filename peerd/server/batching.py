@@ -10,7 +10,7 @@ least recently (then to the oldest step), so a client with a long prompt or many
 starve the others: a long prefill runs a chunk per turn, and decode rounds run between its chunks.
 With a `Priority` (peerd.server.priority), that fair order is then rearranged by standing:
 contributors' steps first, takers keeping their guaranteed share of the tokens run, and while
-other sessions use the server a long step's turns are cut to PRIORITY_TURN_TOKENS so a
+other peers use the server a long step's turns are cut to PRIORITY_TURN_TOKENS so a
 contributor's step never waits long for one (with no other peer about, a prefill keeps its whole
 chunks: short turns cost a lone prompt about a third more time to its first token).
 """
