@@ -395,7 +395,8 @@ class Daemon:
         assert self.swarm is not None and self.server is not None
         while True:
             await self.swarm.announce(range(self.server.start, self.server.end))
-            await trio.sleep(self.config.refresh_period * random.uniform(0.5, 0.8))
+            # Provider records live 3 periods (run): one missed announce still leaves one.
+            await trio.sleep(self.config.refresh_period * random.uniform(0.9, 1.1))
 
     def _api(self) -> LocalApi:
         assert self.node is not None

@@ -40,6 +40,12 @@ REFRESH_SLACK_S = 4 * INFO_TIMEOUT_S
 # so a route that finds no server can say which one is out of reach and why.
 LOST_SERVER_MEMORY_S = 600.0
 MAX_PROVIDERS = 64
+# A DHT node keeps at most 20 providers per key. While our view holds fewer servers of the model
+# than this, the model key lists them all and nobody looks up a block key (find_candidates asks
+# for blocks the model key left uncovered), so only the model keys are provided: per-block keys
+# were 10 of a 10-block server's 12 provides, and the DHT traffic of those provides was nearly
+# all of an idle daemon's CPU (40% of a core each at a 2 s refresh period, measured by py-spy).
+BLOCK_KEYS_FROM_SERVERS = 10
 BLOCK_LOOKUP_CONCURRENCY = 4
 # Joining and leaving (heard_join, heard_leave): a peer that says it joined is asked for its
 # record at most once in this many seconds, by at most this many look-ups at once; what we know
@@ -139,10 +145,13 @@ class SwarmView:
     # --- announcing ---------------------------------------------------------------------------
 
     async def announce(self, blocks: Iterable[int]) -> None:
-        """Provide the model key and our blocks' keys in the DHT; called every refresh period."""
+        """Provide the model key in the DHT, and our blocks' keys once the swarm is big enough
+        for the model key not to list every server (BLOCK_KEYS_FROM_SERVERS); called every
+        refresh period."""
         name = self.swarm_name
-        keys = [model_key(self.model, name), *(block_key(self.model, b, name) for b in blocks)]
-        keys.append(models_key(name))
+        keys = [model_key(self.model, name), models_key(name)]
+        if len(self.records) >= BLOCK_KEYS_FROM_SERVERS:
+            keys += [block_key(self.model, b, name) for b in blocks]
         for key in keys:
             try:
                 await self.node.dht.provide(key)
