@@ -14,6 +14,7 @@ from typing import Any
 import typer
 
 from peerd.bench.commands import bench_blocks, bench_fairness
+from peerd.bench.idle import bench_idle
 from peerd.bench.scale import bench_scale
 from peerd.bench.spec import bench_spec
 from peerd.daemon.commands import service_app, start
@@ -33,6 +34,9 @@ bench_app = typer.Typer(help="Benchmarks that report ratios measured side by sid
 app.add_typer(bench_app, name="bench")
 bench_app.command("spec", short_help="Speculative vs plain decoding on a WAN (root).")(bench_spec)
 bench_app.command("scale", short_help="Simulated swarm of N peers: routing at scale.")(bench_scale)
+bench_app.command("idle", short_help="Three local daemons left idle: CPU share and memory.")(
+    bench_idle
+)
 app.add_typer(service_app, name="service", short_help="A systemd unit that keeps a daemon running.")
 
 
