@@ -23,6 +23,7 @@ from peerd.session.inference import InferenceSession
 from peerd.session.speculative import (
     Adaptive,
     Fixed,
+    PassCost,
     Speculation,
     SpeculativeDecoder,
     Tally,
@@ -355,3 +356,35 @@ def test_auto_drafts_where_it_pays_and_turns_itself_off_where_it_does_not() -> N
     for _ in range(30):
         wan.record(4, 3, 0, 0.1 + 0.002 * 3)
     assert [wan.k() for _ in range(16)].count(0) == 15  # off, probing once in 16 passes
+
+
+def test_pass_cost_has_a_step_from_one_token_to_several() -> None:
+    """One-token passes are timed apart from longer ones: on a CPU server a pass of a few drafts
+    costs a step above a one-token pass, and each draft more little (the spec bench's timings)."""
+    cost = PassCost()
+    for tokens, seconds in [(1, 0.21), (1, 0.22), (5, 0.29), (9, 0.32), (1, 0.20), (5, 0.29)]:
+        cost.add(tokens, seconds)
+    costs = cost.fit()
+    assert costs is not None
+    assert costs.seconds(1) == pytest.approx(0.21)
+    assert costs.seconds(5) == pytest.approx(0.2925, rel=0.01)  # mean of the 5-token passes
+    assert costs.seconds(9) == pytest.approx(0.32, rel=0.05)
+    assert costs.seconds(2) > costs.seconds(1) * 1.2  # the step
+    assert costs.seconds(13) - costs.seconds(9) < 0.05
+
+
+def test_auto_drafts_long_runs_where_drafts_that_start_well_go_on_standing() -> None:
+    """A rewrite: half of the passes' first drafts fall, but once one stands the copied run
+    mostly stands whole. One rate for every draft (0.81 here) kept k at 5 of 12; with the
+    rate after a standing draft apart, auto drafts the most it may. Open text whose first drafts
+    mostly fall and whose runs break at once: off."""
+    rewrite, chat = Adaptive(), Adaptive()
+    for _ in range(6):
+        for policy in (rewrite, chat):
+            policy.record(1, 0, 0, 0.21)
+    for drafts, accepted in [(8, 8), (8, 0), (8, 7), (8, 0)] * 6:
+        rewrite.record(drafts + 1, drafts, accepted, 0.26 + 0.008 * drafts)
+    for drafts, accepted in [(2, 1), (2, 0), (1, 0), (2, 0), (1, 0)] * 5:
+        chat.record(drafts + 1, drafts, accepted, 0.26 + 0.008 * drafts)
+    assert rewrite.k() == rewrite.max_k
+    assert chat.k() == 0

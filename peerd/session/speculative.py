@@ -11,13 +11,15 @@ as plain sampling's; every random draw comes from the generation's seeded genera
 draft's keys and values stay in the servers' caches until the next step, whose start position
 rolls every hop back (InferenceSession.rollback: no extra round trip).
 
-`auto` (Adaptive) picks k each pass from the measured acceptance rate and the measured cost of a
-pass (chain latency plus a cost per extra token), and drafts nothing while speculation would not
-pay, probing now and then in case the text turned repetitive.
+`auto` (Adaptive) picks k each pass from the measured acceptance rates (of a pass's first draft,
+and of a draft after one that stood) and the measured cost of a pass of so many tokens, and
+drafts nothing while speculation would not pay, probing now and then in case the text turned
+repetitive.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -34,7 +36,7 @@ Mode = Literal["off", "auto", "ngram", "draft"]
 # Most drafts in one pass: k + 1 tokens stay within what a server merges with other sessions'
 # short steps (peerd.server.batching.MERGE_MAX_TOKENS), and a longer guess rarely all stands.
 MAX_DRAFT_TOKENS = 15
-DEFAULT_TOKENS = {"ngram": 8, "draft": 4, "auto": 8}
+DEFAULT_TOKENS = {"ngram": 8, "draft": 4, "auto": 12}
 
 
 @dataclass(frozen=True)
@@ -88,67 +90,102 @@ class Fixed:
         self.accepted += accepted
 
 
-# How fast Adaptive forgets its acceptance rate: the weight of the last pass.
+# How fast Adaptive forgets its acceptance rates: the weight of the last pass.
 DECAY = 0.1
 # While off, one pass in this many drafts a single token to see whether the text changed.
 PROBE_EVERY = 16
-# Passes whose timing the cost model is fitted to (the latest ones).
+# Passes whose timing the cost model is fitted to (the latest ones of each kind).
 COST_WINDOW = 24
-# Until the passes timed differ enough in length to tell latency from per-token cost, an extra
-# token is taken to cost this fraction of a one-token pass: about what a forward of a few more
-# tokens costs a CPU server (a GPU's is less; the fit finds out).
+# Until passes of several tokens were timed, an extra token is taken to cost this fraction of a
+# one-token pass: about what a forward of a few more tokens costs a CPU server (a GPU's is less;
+# the fit finds out). Once passes of one length were timed, but not of several lengths, each
+# token beyond the second adds PRIOR_SLOPE of a one-token pass.
 PRIOR_TOKEN_COST = 0.15
+PRIOR_SLOPE = 0.03
 # Drafting must promise this much more speed than a plain pass before auto drafts: where it
 # would barely pay, timing noise and the wasted compute of fallen drafts make it a loss.
 MARGIN = 1.1
 
 
+@dataclass(frozen=True)
+class Costs:
+    """Seconds of a pass of m tokens: `one` for m = 1, else `latency + per_token * (m - 1)`.
+    Two pieces, because a CPU server's forward of 2 rows costs ~1.7x one row's and of 8 rows
+    only ~2.6x (its matrix kernels switch from vector to blocked form): a pass of a few drafts
+    costs a step above a one-token pass, and each draft more little (the spec bench's WAN:
+    0.21 s for 1 token, 0.28 s for 4, 0.32 s for 9)."""
+
+    one: float
+    latency: float
+    per_token: float
+
+    def seconds(self, tokens: int) -> float:
+        if tokens <= 1:
+            return self.one
+        return max(self.latency + self.per_token * (tokens - 1), self.one)
+
+
 @dataclass
 class PassCost:
-    """T(m) = latency + (m - 1) * per_token: the seconds of a pass of m tokens, a least-squares
-    line through the latest passes' timings (the prior ratio while their lengths barely vary)."""
+    """The latest passes' timings: one-token passes by their median, longer ones by a
+    least-squares line (Costs)."""
 
-    timings: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    single: deque[float] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
+    multi: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=COST_WINDOW))
 
     def add(self, tokens: int, seconds: float) -> None:
-        self.timings.append((tokens, seconds))
+        if tokens <= 1:
+            self.single.append(seconds)
+        else:
+            self.multi.append((tokens, seconds))
 
-    def fit(self) -> tuple[float, float] | None:
-        """(latency, per_token) seconds; None before any pass was timed."""
-        if not self.timings:
-            return None
-        n = len(self.timings)
-        mean_m = sum(m for m, _ in self.timings) / n
-        mean_t = sum(t for _, t in self.timings) / n
-        var_m = sum((m - mean_m) ** 2 for m, _ in self.timings) / n
+    def fit(self) -> Costs | None:
+        """None before any pass was timed."""
+        one = statistics.median(self.single) if self.single else None
+        if not self.multi:
+            return None if one is None else Costs(one, one, PRIOR_TOKEN_COST * one)
+        n = len(self.multi)
+        mean_m = sum(m for m, _ in self.multi) / n
+        mean_t = sum(t for _, t in self.multi) / n
+        var_m = sum((m - mean_m) ** 2 for m, _ in self.multi) / n
+        # What a one-token pass would cost by the prior, when none was timed.
+        prior_one = mean_t / (1 + PRIOR_TOKEN_COST * (mean_m - 1))
+        per_token = PRIOR_SLOPE * (one or prior_one)
         if var_m >= 1.0:
-            cov = sum((m - mean_m) * (t - mean_t) for m, t in self.timings) / n
+            cov = sum((m - mean_m) * (t - mean_t) for m, t in self.multi) / n
             per_token = min(max(cov / var_m, 0.0), mean_t)
-            latency = mean_t - per_token * (mean_m - 1)
-            if latency > 0:
-                return latency, per_token
-        latency = mean_t / (1 + PRIOR_TOKEN_COST * (mean_m - 1))
-        return latency, PRIOR_TOKEN_COST * latency
+        latency = mean_t - per_token * (mean_m - 1)
+        if latency <= 0:
+            latency, per_token = prior_one, PRIOR_TOKEN_COST * prior_one
+        return Costs(one if one is not None else latency, latency, per_token)
 
 
 @dataclass
 class Adaptive:
     """`auto`: the k that maximises expected tokens per second of a pass, E(k) / T(k + 1), with
-    E(k) = 1 + a + ... + a^k for acceptance rate a (each draft stands with probability a once
-    the ones before it did) and T the pass cost fitted to the passes timed so far (PassCost);
-    k = 0 (speculation off) unless that beats a plain pass by MARGIN."""
+    E(k) = 1 + a * (1 + b + ... + b^(k - 1)) for the rate a at which a pass's first draft
+    stands and the rate b at which a draft stands once the one before it did (in a rewrite a
+    copied run, once found, mostly stands whole: b >> a), and T the pass cost fitted to the
+    passes timed so far (PassCost); k = 0 (speculation off) unless that beats a plain pass by
+    MARGIN."""
 
     max_k: int = DEFAULT_TOKENS["auto"]
-    successes: float = 1.0  # a prior of one draft in three standing
-    trials: float = 3.0
+    first: float = 1.0  # a prior of one first draft in three standing...
+    first_trials: float = 3.0
+    then: float = 2.0  # ...and of two in three of the drafts after one that stood
+    then_trials: float = 3.0
     cost: PassCost = field(default_factory=PassCost)
     off_passes: int = 0
     passes: int = 0
     accepted: int = 0
 
     @property
-    def rate(self) -> float:
-        return min(self.successes / self.trials, 0.999)
+    def rates(self) -> tuple[float, float]:
+        """(a, b): how often a first draft stands, and a draft after one that stood."""
+        return (
+            min(self.first / self.first_trials, 0.999),
+            min(self.then / self.then_trials, 0.999),
+        )
 
     def k(self) -> int:
         best = self._best()
@@ -159,33 +196,37 @@ class Adaptive:
         return best
 
     def _best(self) -> int:
-        fitted = self.cost.fit()
-        if fitted is None:
+        costs = self.cost.fit()
+        if costs is None:
             return max(1, self.max_k // 2)  # no timing yet: the first passes find out
-        latency, per_token = fitted
-        rate = self.rate
-        best = max(
-            range(1, self.max_k + 1),
-            key=lambda k: expected_tokens(rate, k) / (latency + k * per_token),
-        )
-        speed = expected_tokens(rate, best) / (latency + best * per_token)
-        return best if speed >= MARGIN / latency else 0
+        a, b = self.rates
+
+        def speed(k: int) -> float:
+            return expected_tokens(a, b, k) / costs.seconds(k + 1)
+
+        best = max(range(1, self.max_k + 1), key=speed)
+        return best if speed(best) >= MARGIN / costs.one else 0
 
     def record(self, tokens: int, drafts: int, accepted: int, seconds: float | None) -> None:
         self.passes += 1
         self.accepted += accepted
         if drafts:
-            trials = accepted + (1 if accepted < drafts else 0)
-            self.successes = (1 - DECAY) * self.successes + accepted
-            self.trials = (1 - DECAY) * self.trials + trials
+            self.first = (1 - DECAY) * self.first + (1 if accepted else 0)
+            self.first_trials = (1 - DECAY) * self.first_trials + 1
+            if accepted and drafts > 1:
+                # Drafts 2.. were tried while the one before stood: all but the last stood.
+                tried = accepted if accepted < drafts else drafts - 1
+                self.then = (1 - DECAY) * self.then + accepted - 1
+                self.then_trials = (1 - DECAY) * self.then_trials + tried
         if seconds is not None:
             self.cost.add(tokens, seconds)
 
 
-def expected_tokens(rate: float, k: int) -> float:
-    """Tokens one pass with k drafts yields on average when each draft stands with probability
-    `rate` once the ones before it did (the pass's own token included)."""
-    return sum(rate**i for i in range(k + 1))
+def expected_tokens(first: float, then: float, k: int) -> float:
+    """Tokens one pass with k drafts yields on average when its first draft stands with
+    probability `first` and each later one with probability `then` once the one before it did
+    (the pass's own token included)."""
+    return 1 + first * sum(then**i for i in range(k))
 
 
 def policy_for(speculation: Speculation) -> Policy:
