@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import blocks
+from peerd.devtools import localswarm
 from peerd.devtools.localswarm import LocalSwarm
 
 
@@ -23,6 +24,15 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def daemons_from_a_fork_server() -> Iterator[None]:
+    """Daemons the tests start are forks of one process that imported them (~10 s less each on
+    a slow 2-core machine; peerd.devtools.forkserver); started with the first daemon."""
+    localswarm.use_fork_server()
+    yield
+    localswarm.use_fork_server(False)
 
 
 @pytest.fixture(scope="session")
