@@ -256,14 +256,19 @@ def verify(
                 continue
             return i, best
         p = logits_to_probs(row, params)[0]
-        if i == len(drafts):
-            return i, int(torch.multinomial(p, 1, generator=generator))
+        if i == len(drafts) or draft.probs is None:
+            # The token plain sampling draws here, from the same generator. A draft chosen
+            # deterministically (a point mass q at d) stands iff it is that token: probability
+            # p(d) = min(1, p(d)/q(d)), and a rejection leaves p without d, which is the
+            # residual max(p - q, 0) normalised. So the rule is the standard one, and the draws
+            # are plain sampling's, one per token in order: a seeded run gives the same text
+            # whatever k `auto` chose (k follows timings, which vary run to run).
+            token = int(torch.multinomial(p, 1, generator=generator))
+            if i < len(drafts) and token == drafts[i]:
+                continue
+            return i, token
         token = drafts[i]
-        if draft.probs is None:  # a point mass at the draft
-            q = torch.zeros_like(p)
-            q[token] = 1.0
-        else:
-            q = draft.probs[i].to(p.dtype)
+        q = draft.probs[i].to(p.dtype)
         if float(torch.rand((), generator=generator)) * float(q[token]) < float(p[token]):
             continue
         residual = (p - q).clamp(min=0)
