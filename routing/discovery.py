@@ -18,9 +18,16 @@ touch the bucket it was fetched for), and its throughput must be one a machine c
 client still plans with credible throughputs (routing.speeds) and confirms the few servers it
 contacts with a live `info` call (`confirmed_record`) before a route uses them.
 
-A client reads a few shards (a few KB each), plans over those records with RTTs estimated from
-coordinates, and contacts only `choose_contacts`: the servers of a few alternative routes, never
-more than MAX_CONTACTS, instead of every server the DHT names.
+Servers near a client are found through locality cells of network coordinates (`cell_of`), and
+the fast ones among them through lanes (`lane_tiers`): a server also stores its record under its
+cell's keys of the tiers it ranks in by `seconds_per_block`, so that a client reads about
+LANE_RECORDS of the fastest servers of each cell around it (`cells_around`, `lane_tier`) in one
+look-up each, whatever the cell's size.
+
+A client reads a shard and those lanes (a few KB each), plans over those records with RTTs
+estimated from coordinates, and contacts only `choose_contacts`: the servers of a few
+alternative routes, then those `servers_to_confirm` names, never more than MAX_CONTACTS, instead
+of every server the DHT names.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ import functools
 import hashlib
 import math
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import msgpack
@@ -107,23 +114,75 @@ def shard_of(peer_id: str, shards: int) -> int:
 
 
 Cell = tuple[int, int]
-# Side of a locality cell in network coordinates: servers within ~CELL_S of each other share a
-# cell, and a client reads its own cell's shards to find the servers near it.
-CELL_S = 0.05
+# Side of a locality cell in network coordinates. A client reads the 2x2 cells around it
+# (`cells_around`), so every server within CELL_S / 2 of it in each coordinate is in one of them
+# (one cell alone misses the half of a client's neighbourhood across a cell's edge). 30 ms: a
+# dense region (a metro, a continent's backbone) and a bit of the next.
+CELL_S = 0.03
+# A cell's servers are kept in lanes by tier: tier t holds those among the fastest 1/2**t of the
+# swarm by `seconds_per_block` (what a hop on them costs per block before the distance to them),
+# so that a client can read the fastest few servers near it in one look-up per cell, however
+# big the cell is. A client reads the tier of each cell that holds about LANE_RECORDS servers.
+LANE_RECORDS = 64
+MAX_TIER = 12
 
 
 def cell_of(coords: Coords) -> Cell:
     return (math.floor(coords[0] / CELL_S), math.floor(coords[1] / CELL_S))
 
 
+def cells_around(coords: Coords) -> list[Cell]:
+    """The 2x2 cells that together hold the square of side CELL_S centred on `coords`."""
+    x, y = (math.floor(v / CELL_S - 0.5) for v in coords[:2])
+    return [(x + i, y + j) for i in (0, 1) for j in (0, 1)]
+
+
+def seconds_per_block(record: ServerRecord, coords: Coords | None) -> float:
+    """What a hop on `record`'s server costs per block of its span before the distance to it:
+    its access delay (the height of its coordinates) and one step over its span (routing.planner
+    charges the same), over the span's length. A long span on a fast, well-connected machine
+    ranks first."""
+    if record.throughput <= 0:
+        return math.inf
+    height = coords[2] if coords is not None else 0.0
+    return (height + 1.0 / record.throughput) / record.num_blocks
+
+
+def tier_of(mine: float, sample: Iterable[float]) -> int:
+    """The tier of a server of `mine` seconds per block, ranked within `sample` (other servers'
+    `seconds_per_block`): the highest t for which it is among the fastest 1/2**t."""
+    values = list(sample)
+    share = (sum(1 for v in values if v < mine) + 0.5) / (len(values) + 1)
+    return min(MAX_TIER, math.floor(-math.log2(share)))
+
+
+def lane_tier(cell_servers: float, records: int = LANE_RECORDS) -> int:
+    """The tier whose lane holds about `records` of a cell of about `cell_servers` servers."""
+    return min(MAX_TIER, max(0, math.ceil(math.log2(max(1.0, cell_servers / records)))))
+
+
+def lane_tiers(tier: int, cell_servers: float) -> range:
+    """The lanes a server of `tier` in a cell of about `cell_servers` servers publishes in: every
+    tier up to its own that a client might read, down to one holding 4 * LANE_RECORDS servers (a
+    client whose estimate of the cell is up to 4x below ours still finds us; fuller lanes,
+    which no client reads, cost their holders and us for nothing)."""
+    return range(lane_tier(cell_servers, 4 * LANE_RECORDS), tier + 1)
+
+
 def shard_key(
-    model: str, shard: int, shards: int, swarm_name: str = "", cell: Cell | None = None
+    model: str,
+    shard: int,
+    shards: int,
+    swarm_name: str = "",
+    cell: Cell | None = None,
+    tier: int = 0,
 ) -> bytes:
     """The DHT key (sha-256 of its name) of shard `shard` of `shards` of `model`'s servers, or
-    of the servers of one locality `cell`; the count is in the name: shard 3 of 8 and shard 3
-    of 16 hold different servers."""
+    of the servers of one locality `cell` (of its lane `tier`, when > 0); the count is in the
+    name: shard 3 of 8 and shard 3 of 16 hold different servers."""
     prefix = f"peerd/{swarm_name}/" if swarm_name else "peerd/"
     where = "" if cell is None else f"cell/{cell[0]},{cell[1]}/"
+    where += f"tier-{tier}/" if cell is not None and tier > 0 else ""
     return hashlib.sha256(f"{prefix}{model}/servers/{where}{shard}-of-{shards}".encode()).digest()
 
 
@@ -396,6 +455,27 @@ def choose_contacts(
         if len(chosen) >= max_contacts:
             break
     return chosen[:max_contacts]
+
+
+def servers_to_confirm(
+    snapshot: SwarmSnapshot,
+    live: Mapping[str, tuple[float, ServerRecord]],
+    asked: Collection[str],
+    estimates: Mapping[str, float],
+) -> list[str]:
+    """The servers not yet asked that the cheapest route would use, planned over those that
+    answered (`live`: measured RTT and live record) and those of `snapshot` not yet asked (RTTs
+    estimated): a client asks them and plans again, so that an estimate too pessimistic about
+    a server it did not contact costs it one more round trip, not a worse route. Empty when the
+    route needs no one more (or none exists)."""
+    unasked = tuple(r for r in snapshot.records if r.peer_id not in asked)
+    records = unasked + tuple(record for _, record in live.values())
+    rtts = {**estimates, **{p: rtt for p, (rtt, _) in live.items()}}
+    try:
+        route = plan_route(SwarmSnapshot(snapshot.model, snapshot.num_blocks, records), rtts=rtts)
+    except NoRouteError:
+        return []
+    return list(dict.fromkeys(h.peer_id for h in route if h.peer_id not in live))
 
 
 def confirmed_record(published: ServerRecord, live: ServerRecord) -> ServerRecord | None:

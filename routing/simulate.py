@@ -1,4 +1,4 @@
-"""A simulated swarm of volunteer servers and its clients, running the project's real routing
+"""A simulated swarm of volunteer servers, running the project's real routing
 code (block selection, the planner, bans, signed records, routing.discovery and
 routing.record_store) over routing.netsim's network. routing.simulate_run drives it.
 
@@ -13,12 +13,8 @@ its shard key at each of `shard_levels` every publish period (looking them up ag
 RELOOKUP_EVERY publishes, or when one left), and takes LOAD_S to load weights after a join or a
 move (JOINING meanwhile: routes skip it).
 
-Clients: bootstrap, read `client_shards` shards (look-ups side by side), plan `choose_contacts`
-with RTTs estimated from the coordinates in the records, call `info` on those contacts (measured
-RTT; a departed server does not answer; a record its server no longer backs is dropped,
-`confirmed_record`), and route over the confirmed records with the measured RTTs. Cost is what
-routing.planner charges (RTT plus compute per hop, credible throughputs) with the true RTTs,
-against the route planned over every live server with every true RTT (the offline optimum).
+It also stores it in its locality cell's lanes (`lane_tiers`) as far as its tier, its
+`seconds_per_block` ranked within its sample (`tier_of`), goes. Clients: routing.simulate_client.
 """
 
 from __future__ import annotations
@@ -33,27 +29,25 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from routing.block_selection import better_span, blocks_that_fit, choose_blocks
-from routing.chains import Route
 from routing.discovery import (
+    LANE_RECORDS,
     Cell,
+    Coords,
     SignedRecord,
     authentic,
-    believe,
     cell_of,
-    choose_contacts,
-    confirmed_record,
-    estimated_rtt,
+    lane_tiers,
+    seconds_per_block,
     shard_count,
     shard_key,
     shard_levels,
     shard_of,
     sign_record,
+    tier_of,
 )
-from routing.netsim import Network, kad_id
-from routing.planner import NoRouteError, plan_route, route_cost
+from routing.netsim import Lookup, Network, kad_id
 from routing.record_store import RecordShard
 from routing.records import ServerRecord, SwarmSnapshot
-from routing.speeds import credible_throughputs
 from wire import ServerState
 
 MODEL = "sim-70b"
@@ -67,13 +61,7 @@ PUBLISH_PERIOD_S = 120.0
 RECHECK_PERIOD_S = 120.0
 RELOOKUP_EVERY = 10
 LOAD_S = 30.0
-INFO_BYTES = (40, 320)  # an info request and its reply
 STORE_BYTES = 48  # a store or read request's framing besides what it carries
-INFO_DEADLINE_S = 0.5
-# Rounds of `info` calls a client makes before it gives up (each over servers not yet asked).
-CONTACT_ROUNDS = 3
-# Shards of the whole swarm a client reads more when those it read leave a block unserved.
-MORE_SHARDS = 3
 
 
 @dataclass
@@ -92,22 +80,8 @@ class SimServer:
     view: dict[str, ServerRecord] = field(default_factory=dict)
     view_holder: int | None = None
     view_read_at: float = -math.inf
-    view_cells: dict[str, Cell] = field(default_factory=dict)
+    view_coords: dict[str, Coords] = field(default_factory=dict)
     cell_estimate: float = 1.0  # servers in our locality cell, as our sample says
-
-
-@dataclass
-class ClientRun:
-    """What one client's way to its first route cost."""
-
-    first_route_s: float = 0.0
-    messages: int = 0
-    bytes: int = 0
-    lookups: int = 0
-    lookup_messages: int = 0
-    lookup_hops: int = 0
-    contacts: int = 0
-    cost_ratio: float = math.inf
 
 
 @dataclass
@@ -117,7 +91,7 @@ class Swarm:
     peers: int
     seed: int = 0
     median_rtt_s: float = 0.05
-    client_shards: int = 8
+    lane_records: int = LANE_RECORDS
     rng: random.Random = field(init=False)
     net: Network = field(init=False)
     servers: dict[int, SimServer] = field(default_factory=dict)
@@ -149,23 +123,14 @@ class Swarm:
         found = self.net.look_up(kid, kid)
         return self.net.estimate_size(found.closest, kid), found.seconds
 
-    def holder_of(
-        self, origin: int, key: int, out: ClientRun | None = None
-    ) -> tuple[int | None, float]:
+    def holder_of(self, origin: int, key: int) -> Lookup:
         """Look `key` up from `origin` until a peer that keeps records under it answers."""
 
         def holds(kid: int) -> int:
             shard = self.stores.get(kid, {}).get(key)
             return sum(len(r) for r in shard.records(self.now)) + 16 if shard else 0
 
-        found = self.net.look_up(origin, key, holds)
-        if out is not None:
-            out.lookups += 1
-            out.lookup_messages += found.messages
-            out.lookup_hops += found.hops
-            out.messages += found.messages
-            out.bytes += found.bytes
-        return found.value_holder, found.seconds
+        return self.net.look_up(origin, key, holds)
 
     def read_view(self, server: SimServer) -> float:
         """Bring the server's sample of the swarm up to date; return the shard count."""
@@ -173,10 +138,10 @@ class Swarm:
         index = shard_of(server.peer_id, shards) if server.view_key[1] != shards else None
         if index is not None:  # a new shard count: sample the shard we are in ourselves
             server.view_key, server.view, server.view_read_at = (index, shards), {}, -math.inf
-            server.view_cells = {}
+            server.view_coords = {}
         key = kad_id(shard_key(MODEL, *server.view_key))
         if server.view_holder not in self.stores or key not in self.stores[server.view_holder]:
-            server.view_holder, _ = self.holder_of(server.kid, key)
+            server.view_holder = self.holder_of(server.kid, key).value_holder
             server.view_read_at = -math.inf
         if server.view_holder is None:
             return shards
@@ -190,10 +155,10 @@ class Swarm:
             record, coords = authentic(signed)  # the holder believed it; so do we (signature)
             server.view[record.peer_id] = record
             if coords is not None:
-                server.view_cells[record.peer_id] = cell_of(coords)
+                server.view_coords[record.peer_id] = coords
         server.view_read_at = self.now
         mine = cell_of(self.net.coords(server.kid))
-        near = sum(1 for p in server.view if server.view_cells.get(p) == mine)
+        near = sum(1 for c in server.view_coords.values() if cell_of(c) == mine)
         server.cell_estimate = max(1.0, near * shards)
         return shards
 
@@ -224,7 +189,7 @@ class Swarm:
 
     def publish(self, server: SimServer) -> None:
         """Store the server's signed record at the REPLICAS closest peers of its shard key at
-        each shard level."""
+        each shard level, and of its cell's lanes its tier (ranked in its sample) belongs to."""
         assert server.record is not None
         record = replace(
             server.record, updated_at=self.now, expires_at=self.now + 2 * PUBLISH_PERIOD_S + 12
@@ -232,16 +197,28 @@ class Swarm:
         server.record = record
         signed = sign_record(record, server.keys.private_key, self.net.coords(server.kid))
         server.publishes += 1
-        cell = cell_of(self.net.coords(server.kid))
+        coords = self.net.coords(server.kid)
         for shards in shard_levels(shard_count(server.estimate)):
-            self._store(server, signed, shard_of(server.peer_id, shards), shards, None)
-        for shards in shard_levels(shard_count(server.cell_estimate)):
-            self._store(server, signed, shard_of(server.peer_id, shards), shards, cell)
+            self._store(server, signed, shard_of(server.peer_id, shards), shards)
+        sample = (
+            seconds_per_block(r, server.view_coords.get(p))
+            for p, r in server.view.items()
+            if p != server.peer_id
+        )
+        tier = tier_of(seconds_per_block(record, coords), sample)
+        for lane in lane_tiers(tier, server.cell_estimate):
+            self._store(server, signed, 0, 1, cell_of(coords), lane)
 
     def _store(
-        self, server: SimServer, signed: SignedRecord, index: int, shards: int, cell: Cell | None
+        self,
+        server: SimServer,
+        signed: SignedRecord,
+        index: int,
+        shards: int,
+        cell: Cell | None = None,
+        tier: int = 0,
     ) -> None:
-        key = kad_id(shard_key(MODEL, index, shards, cell=cell))
+        key = kad_id(shard_key(MODEL, index, shards, cell=cell, tier=tier))
         replicas = server.replicas.get(key, [])
         stale = any(kid not in self.stores for kid in replicas)
         if not replicas or stale or server.publishes % RELOOKUP_EVERY == 0:
@@ -310,142 +287,3 @@ class Swarm:
             self.now = at
             self.handle(kind, kid)
         self.now = until
-
-    # --- clients ------------------------------------------------------------------------------
-
-    def client(self, name: str) -> ClientRun | None:
-        """One client's way to its first route; None if it found none."""
-        peer = self.net.add(name, member=False)
-        try:
-            return self._route(peer.kid)
-        finally:
-            self.net.remove(peer.kid)
-
-    def _read(self, kid: int, keys: list[bytes], out: ClientRun) -> list[SignedRecord]:
-        """Read the shards under `keys` side by side (the slowest look-up counts)."""
-        fetched: list[SignedRecord] = []
-        slowest = 0.0
-        for name in keys:
-            key = kad_id(name)
-            holder, seconds = self.holder_of(kid, key, out)
-            if holder is not None:
-                fetched += self.stores[holder][key].records(self.now)
-            slowest = max(slowest, seconds)
-        out.first_route_s += slowest
-        return fetched
-
-    def _fetch(self, kid: int, out: ClientRun) -> list[SignedRecord]:
-        """Bootstrap, read one shard of the whole swarm, then shards of our own locality cell
-        (how many servers it has: from the first shard's census). Where the records leave a
-        block without a server (a shard whose holders left, a sparse cell), read more shards of
-        the whole swarm, up to MORE_SHARDS."""
-        estimate, out.first_route_s = self.bootstrap(kid)
-        shards = shard_count(estimate)
-        order = self.rng.sample(range(shards), min(shards, 1 + MORE_SHARDS))
-        fetched = self._read(kid, [shard_key(MODEL, order[0], shards)], out)
-        mine = cell_of(self.net.coords(kid))
-        near = sum(1 for s in fetched if (c := authentic(s)[1]) is not None and cell_of(c) == mine)
-        subs = shard_count(max(1.0, near * shards))
-        picked = self.rng.sample(range(subs), min(subs, self.client_shards))
-        fetched += self._read(kid, [shard_key(MODEL, i, subs, cell=mine) for i in picked], out)
-        # More of the whole swarm: other shards, then shards of the other levels (other holders).
-        more = [(i, shards) for i in order[1:]]
-        more += [(self.rng.randrange(n), n) for n in shard_levels(shards) if n != shards]
-        for index, count in more[:MORE_SHARDS]:
-            records = (authentic(s)[0] for s in fetched)
-            served = SwarmSnapshot.from_records(MODEL, NUM_BLOCKS, records, now=self.now)
-            if not served.uncovered_blocks():
-                break
-            fetched += self._read(kid, [shard_key(MODEL, index, count)], out)
-        return fetched
-
-    def _route(self, kid: int) -> ClientRun | None:
-        out = ClientRun()
-        fetched = self._fetch(kid, out)
-        believed = believe(
-            [(None, s) for s in fetched], model=MODEL, num_blocks=NUM_BLOCKS, now=self.now
-        )
-        own = self.net.coords(kid)
-        estimates = {p: estimated_rtt(own, c) for p, c in believed.coords.items()}
-        snapshot = believed.snapshot
-        for _ in range(CONTACT_ROUNDS):
-            route = self._contact(kid, snapshot, estimates, out)
-            if not isinstance(route, set):
-                out.cost_ratio = self._cost_ratio(kid, route)
-                return out
-            snapshot = SwarmSnapshot(
-                MODEL, NUM_BLOCKS, tuple(r for r in snapshot.records if r.peer_id not in route)
-            )
-        return None
-
-    def _contact(
-        self, kid: int, snapshot: SwarmSnapshot, estimates: dict[str, float], out: ClientRun
-    ) -> Route | set[str]:
-        """One round of `info` calls: the route, or the peers asked (none of them to be asked
-        again) when those that answered in time leave some block uncovered."""
-        try:
-            contacts = choose_contacts(snapshot, rtts=estimates, now=self.now, rng=self.rng)
-            first = {h.peer_id for h in plan_route(snapshot, rtts=estimates)}
-        except NoRouteError:
-            return set()
-        answers = self._ask(kid, snapshot, contacts, out)
-        out.contacts += len(contacts)
-        # Plan once the servers of the route the estimates preferred answered (or the deadline
-        # passed), over every answer in by then.
-        ready = min(INFO_DEADLINE_S, max(answers.get(p, (math.inf,))[0] for p in first))
-        out.first_route_s += ready
-        confirmed = {p: a for p, a in answers.items() if a[0] <= ready}
-        live = SwarmSnapshot(MODEL, NUM_BLOCKS, tuple(a[1] for a in confirmed.values()))
-        try:
-            return plan_route(live, rtts={p: a[0] for p, a in confirmed.items()})
-        except NoRouteError:
-            return set(contacts)
-
-    def _ask(
-        self, kid: int, snapshot: SwarmSnapshot, contacts: list[str], out: ClientRun
-    ) -> dict[str, tuple[float, ServerRecord]]:
-        """`info` to every contact at once: per answering server, when it answered and its live
-        record (if it backs the one it published)."""
-        answers: dict[str, tuple[float, ServerRecord]] = {}
-        for peer_id in contacts:
-            server = self.servers.get(kad_id(peer_id))
-            out.messages += 1
-            out.bytes += INFO_BYTES[0]
-            if server is None or server.record is None:  # gone: no answer
-                continue
-            took = self.net.exchange(kid, server.kid, *INFO_BYTES, "info")
-            out.messages += 1
-            out.bytes += INFO_BYTES[1]
-            live = confirmed_record(snapshot.by_peer[peer_id], server.record)
-            if live is not None:
-                answers[peer_id] = (took, live)
-        return answers
-
-    def _cost_ratio(self, kid: int, route: Route) -> float:
-        """The route's cost against the offline optimum, both charged with true RTTs."""
-        truth = self.truth()
-        credible = credible_throughputs(truth.records)
-        rtts = {r.peer_id: self.net.rtt(kid, kad_id(r.peer_id)) for r in truth.records}
-        best = plan_route(_pareto(truth, rtts, credible), rtts=rtts)
-        mine = route_cost(route, rtts=rtts, throughputs=credible)
-        return mine / route_cost(best, rtts=rtts, throughputs=credible)
-
-
-def _pareto(
-    truth: SwarmSnapshot, rtts: dict[str, float], credible: dict[str, float]
-) -> SwarmSnapshot:
-    """`truth` less the servers no optimal route needs: of servers of one span, one is never
-    better than another with a lower RTT and a higher credible throughput (so planning stays
-    fast at 10,000 servers)."""
-    by_span: dict[tuple[int, int], list[ServerRecord]] = {}
-    for record in truth.records:
-        if record.state is ServerState.ONLINE:
-            by_span.setdefault(record.span, []).append(record)
-    kept: list[ServerRecord] = []
-    for records in by_span.values():
-        best = -math.inf
-        for record in sorted(records, key=lambda r: rtts[r.peer_id]):
-            if credible[record.peer_id] > best:
-                best = credible[record.peer_id]
-                kept.append(record)
-    return SwarmSnapshot(MODEL, NUM_BLOCKS, tuple(kept))

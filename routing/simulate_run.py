@@ -12,14 +12,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from routing.discovery import LANE_RECORDS
 from routing.simulate import (
     LOAD_S,
     NUM_BLOCKS,
     PUBLISH_PERIOD_S,
     RECHECK_PERIOD_S,
-    ClientRun,
     Swarm,
 )
+from routing.simulate_client import ClientRun, first_route
 
 CLIENTS = 100
 COVERAGE_EVERY_S = 10
@@ -46,14 +47,14 @@ def run(
     churn: float = 0.3,
     periods: float = 4.0,
     median_rtt_s: float = 0.05,
-    client_shards: int = 8,
+    lane_records: int = LANE_RECORDS,
     progress: Callable[[str], None] = lambda line: None,
 ) -> dict[str, Any]:
     """Simulate `peers` servers and `clients` clients; return the report (a JSON-able map)."""
     if peers < 2 or clients < 1 or not 0 <= churn <= 1 or periods <= 0:
         raise ValueError("need peers >= 2, clients >= 1, 0 <= churn <= 1 and periods > 0")
     started = time.perf_counter()
-    swarm = Swarm(peers, seed, median_rtt_s, client_shards)
+    swarm = Swarm(peers, seed, median_rtt_s, lane_records)
     initial = [swarm.new_server() for _ in range(peers)]
     swarm.net.calibrate()
     for i, server in enumerate(initial):
@@ -128,7 +129,7 @@ class _Measure:
             self._join_later(swarm.rng.uniform(1.0, PUBLISH_PERIOD_S))
 
     def _client(self) -> None:
-        result = self.swarm.client(f"client-{len(self.done) + self.failed}")
+        result = first_route(self.swarm, f"client-{len(self.done) + self.failed}")
         if result is None:
             self.failed += 1
         else:

@@ -13,23 +13,32 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from routing.discovery import (
+    CELL_S,
+    LANE_RECORDS,
     ForgedRecord,
     SignedRecord,
     authentic,
     believe,
     buckets_of_span,
     cell_of,
+    cells_around,
     choose_contacts,
     confirmed_record,
     estimated_rtt,
+    lane_tier,
+    lane_tiers,
     open_record,
+    seconds_per_block,
+    servers_to_confirm,
     shard_count,
+    shard_key,
     shard_levels,
     shard_of,
     sign_record,
+    tier_of,
 )
 from routing.record_store import RecordShard
-from routing.records import ServerRecord
+from routing.records import ServerRecord, SwarmSnapshot
 from tests.test_routing_fixtures import MODEL, make_record
 
 NUM_BLOCKS = 80
@@ -166,7 +175,7 @@ def test_shard_counts_grow_with_the_swarm_in_powers_of_two() -> None:
 
 def test_a_cell_shard_keeps_only_records_whose_signed_coordinates_lie_in_it() -> None:
     keys = key_pair(31)
-    here = (0.01, 0.01, 0.002)  # cell (0, 0) of 50 ms cells
+    here = (0.01, 0.01, 0.002)  # cell (0, 0) of 30 ms cells
     shard = RecordShard(MODEL, NUM_BLOCKS, shard=0, shards=1, cell=cell_of(here))
     shard.offer(sign_record(own_record(keys, 0, 8), keys.private_key, here), NOW)
     far = (0.3, 0.01, 0.002)
@@ -176,3 +185,61 @@ def test_a_cell_shard_keeps_only_records_whose_signed_coordinates_lie_in_it() ->
         shard.offer(sign_record(own_record(keys, 0, 8), keys.private_key), NOW + 2)
     assert len(shard) == 1
     assert estimated_rtt(here, far) == pytest.approx(0.29 + 0.004)
+
+
+def test_the_2x2_cells_around_a_client_hold_everyone_within_half_a_cell() -> None:
+    for where in [(0.001, 0.029, 0.0), (0.016, 0.014, 0.0), (-0.04, 0.07, 0.01)]:
+        around = set(cells_around(where))
+        assert len(around) == 4 and cell_of(where) in around
+        for dx in (-0.49, 0.0, 0.49):
+            for dy in (-0.49, 0.0, 0.49):
+                near = (where[0] + dx * CELL_S, where[1] + dy * CELL_S, 0.0)
+                assert cell_of(near) in around
+    far = (0.016 + 1.6 * CELL_S, 0.014, 0.0)
+    assert cell_of(far) not in cells_around((0.016, 0.014, 0.0))
+
+
+def test_servers_rank_into_lanes_by_what_a_hop_on_them_costs_per_block() -> None:
+    keys = key_pair(41)
+    long_fast = own_record(keys, 0, 40, throughput=50.0)  # 1 s / 50 over 40 blocks
+    short_fast = own_record(keys, 0, 4, throughput=500.0)
+    assert seconds_per_block(long_fast, (0.0, 0.0, 0.002)) == pytest.approx(0.022 / 40)
+    # The same speed per block: the longer span saves round trips, so it ranks first.
+    height = (0.0, 0.0, 0.002)
+    assert seconds_per_block(long_fast, height) < seconds_per_block(short_fast, height)
+    assert seconds_per_block(own_record(keys, 0, 4, throughput=0.0), None) == math.inf
+    sample = [float(i) for i in range(1, 101)]  # 100 others
+    assert tier_of(0.5, sample) >= 7  # faster than all: the top lane the sample can tell
+    assert tier_of(10.5, sample) == 3  # faster than 90 of 100: among the fastest 1/8
+    assert tier_of(60.5, sample) == 0
+    assert tier_of(1.0, []) == 1  # no sample: nothing to rank against
+    # A client reads the lane of about LANE_RECORDS servers; a server publishes in every lane a
+    # client with an estimate of the cell up to 4x below its own would read, up to its tier.
+    assert lane_tier(LANE_RECORDS / 2) == 0 and lane_tier(LANE_RECORDS * 8) == 3
+    assert lane_tiers(5, LANE_RECORDS * 8) == range(1, 6)
+    assert not lane_tiers(0, LANE_RECORDS * 8)  # too slow for any lane a client reads
+    for cell_size in (10, 300, 3000, 30000):
+        for estimate in (cell_size / 4, cell_size, cell_size * 4):
+            assert lane_tier(estimate) in lane_tiers(12, cell_size)
+    cell = (3, -2)
+    keys_by_tier = {shard_key(MODEL, 0, 1, cell=cell, tier=t) for t in range(4)}
+    assert len(keys_by_tier) == 4 and shard_key(MODEL, 0, 1, cell=cell) in keys_by_tier
+
+
+def test_a_client_asks_the_servers_its_route_wants_before_using_them() -> None:
+    pairs = [key_pair(200 + i) for i in range(4)]
+    a, b, c, d = (
+        own_record(k, s, e, throughput=10.0)
+        for k, (s, e) in zip(pairs, [(0, 40), (40, 80), (0, 80), (0, 80)], strict=True)
+    )
+    snapshot = SwarmSnapshot(MODEL, NUM_BLOCKS, (a, b, c, d))
+    live = {a.peer_id: (0.01, a), b.peer_id: (0.01, b)}
+    # c was estimated near: the route over the answers and the estimates wants it, so ask it.
+    estimates = {c.peer_id: 0.001, d.peer_id: 0.2}
+    assert servers_to_confirm(snapshot, live, {a.peer_id, b.peer_id}, estimates) == [c.peer_id]
+    # Once c answered slower than estimated, the answers' route needs no one more (d is far).
+    live[c.peer_id] = (0.3, c)
+    asked = {a.peer_id, b.peer_id, c.peer_id}
+    assert servers_to_confirm(snapshot, live, asked, estimates) == []
+    # A server asked that did not answer is never asked again.
+    assert servers_to_confirm(snapshot, {}, {p.peer_id for p in (a, b, c, d)}, estimates) == []

@@ -1,0 +1,303 @@
+"""A client of the simulated swarm (routing.simulate) finding its first route with
+routing.discovery, as a daemon would, and what it cost: time, messages, bytes, and the route's
+cost against the offline optimum.
+
+Bootstrap (a Kademlia self look-up, which also estimates the swarm's size); read one shard of
+the whole swarm; read, in each of the 2x2 locality cells around us (`cells_around`), the lane
+that holds about `lane_records` of the cell's fastest servers (`lane_tier`, the cell's size from
+the first shard's census), look-ups side by side; read more shards of the whole swarm while a
+block has no server in what we read. Plan `choose_contacts` with RTTs estimated from the
+coordinates in the records, call `info` on them (measured RTT; a departed server does not
+answer; a record its server no longer backs is dropped, `confirmed_record`), then ask the
+servers not yet asked that the route over the answers and the estimates still wants
+(`servers_to_confirm`), and route over the confirmed records with the measured RTTs. If the
+answers leave a block unserved, read the rest of those shards and ask again.
+
+Cost is what routing.planner charges (RTT plus compute per hop, credible throughputs of the
+whole swarm) with the true RTTs, for the client's route and for the route planned over every
+live server with every true RTT (the offline optimum): the same objective measured the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from routing.chains import Route
+from routing.discovery import (
+    MAX_CONTACTS,
+    SignedRecord,
+    authentic,
+    believe,
+    cell_of,
+    cells_around,
+    choose_contacts,
+    confirmed_record,
+    estimated_rtt,
+    lane_tier,
+    servers_to_confirm,
+    shard_count,
+    shard_key,
+    shard_levels,
+)
+from routing.netsim import kad_id
+from routing.planner import DEFAULT_RTT_S, NoRouteError, plan_route, route_cost
+from routing.records import ServerRecord, SwarmSnapshot
+from routing.simulate import MODEL, NUM_BLOCKS, Swarm
+from routing.speeds import credible_throughputs
+from wire import ServerState
+
+INFO_BYTES = (40, 320)  # an info request and its reply
+INFO_DEADLINE_S = 0.5
+# How long a client that has a route already waits for servers that might make it better: one
+# worth it is near (a round trip well under this), so a later answer is not waited for.
+BETTER_DEADLINE_S = 0.15
+PATIENCE_S = 0.05
+# `info` calls a client makes at first; then, REPLAN_ROUNDS times at most, the servers the route
+# over the answers still wants (`servers_to_confirm`), MAX_CONTACTS in all (CONTACT_ROUNDS times
+# as many while the answers leave a block unserved).
+FIRST_CONTACTS = 16
+REPLAN_ROUNDS = 3
+CONTACT_ROUNDS = 3
+# Shards of the whole swarm a client reads more when what it read leaves a block unserved.
+MORE_SHARDS = 3
+
+Answers = dict[str, tuple[float, ServerRecord]]  # peer -> (seconds it took, live record)
+
+
+@dataclass
+class ClientRun:
+    """What one client's way to its first route cost."""
+
+    first_route_s: float = 0.0
+    messages: int = 0
+    bytes: int = 0
+    lookups: int = 0
+    lookup_messages: int = 0
+    lookup_hops: int = 0
+    contacts: int = 0
+    cost_ratio: float = math.inf
+
+
+def first_route(swarm: Swarm, name: str) -> ClientRun | None:
+    """One client's way to its first route; None if it found none."""
+    peer = swarm.net.add(name, member=False)
+    try:
+        return _Client(swarm, peer.kid).route()
+    finally:
+        swarm.net.remove(peer.kid)
+
+
+class _Client:
+    def __init__(self, swarm: Swarm, kid: int) -> None:
+        self.swarm, self.kid, self.out = swarm, kid, ClientRun()
+        self.spare: list[bytes] = []  # shard keys of the whole swarm not read yet
+        self.asked: set[str] = set()
+        self.confirmed: Answers = {}
+
+    def route(self) -> ClientRun | None:
+        fetched = self._fetch()
+        route = self._contact(*self._believe(fetched))
+        if route is None and self.spare:  # what answered leaves a block unserved: read more
+            fetched += self._read(self.spare)
+            snapshot, estimates = self._believe(fetched)
+            route = self._confirm_more(snapshot, estimates, None)
+        self.out.contacts = len(self.asked)
+        if route is None:
+            return None
+        self.out.cost_ratio = self._cost_ratio(route)
+        return self.out
+
+    def _believe(self, fetched: list[SignedRecord]) -> tuple[SwarmSnapshot, dict[str, float]]:
+        swarm = self.swarm
+        believed = believe(
+            [(None, s) for s in fetched], model=MODEL, num_blocks=NUM_BLOCKS, now=swarm.now
+        )
+        own = swarm.net.coords(self.kid)
+        estimates = {p: estimated_rtt(own, c) for p, c in believed.coords.items()}
+        return believed.snapshot, estimates
+
+    def _read(self, keys: list[bytes]) -> list[SignedRecord]:
+        """Read the shards under `keys` side by side (the slowest look-up counts)."""
+        fetched: list[SignedRecord] = []
+        slowest = 0.0
+        out, swarm = self.out, self.swarm
+        for name in keys:
+            key = kad_id(name)
+            found = swarm.holder_of(self.kid, key)
+            out.lookups += 1
+            out.lookup_messages += found.messages
+            out.lookup_hops += found.hops
+            out.messages += found.messages
+            out.bytes += found.bytes
+            if found.value_holder is not None:
+                fetched += swarm.stores[found.value_holder][key].records(swarm.now)
+            slowest = max(slowest, found.seconds)
+        out.first_route_s += slowest
+        return fetched
+
+    def _fetch(self) -> list[SignedRecord]:
+        """Bootstrap, one shard of the whole swarm, the lanes of the cells around us, and more
+        shards of the whole swarm while a block has no server in what we read."""
+        swarm = self.swarm
+        estimate, self.out.first_route_s = swarm.bootstrap(self.kid)
+        shards = shard_count(estimate)
+        order = swarm.rng.sample(range(shards), min(shards, 1 + MORE_SHARDS))
+        fetched = self._read([shard_key(MODEL, order[0], shards)])
+        census = Counter(cell_of(c) for s in fetched if (c := authentic(s)[1]) is not None)
+        lanes = [
+            shard_key(
+                MODEL,
+                0,
+                1,
+                cell=cell,
+                tier=lane_tier(max(1, census[cell]) * shards, swarm.lane_records),
+            )
+            for cell in cells_around(swarm.net.coords(self.kid))
+        ]
+        fetched += self._read(lanes)
+        # More of the whole swarm: other shards, then shards of the other levels (other holders).
+        more = [(i, shards) for i in order[1:]]
+        more += [(swarm.rng.randrange(n), n) for n in shard_levels(shards) if n != shards]
+        self.spare = [shard_key(MODEL, index, count) for index, count in more[:MORE_SHARDS]]
+        while self.spare:
+            records = (authentic(s)[0] for s in fetched)
+            served = SwarmSnapshot.from_records(MODEL, NUM_BLOCKS, records, now=swarm.now)
+            if not served.uncovered_blocks():
+                break
+            fetched += self._read([self.spare.pop(0)])
+        return fetched
+
+    def _contact(self, snapshot: SwarmSnapshot, estimates: dict[str, float]) -> Route | None:
+        """`info` to the servers `choose_contacts` names; plan as soon as the answers in are
+        enough (`_settle`), then `_confirm_more`."""
+        try:
+            contacts = choose_contacts(
+                snapshot,
+                rtts=estimates,
+                now=self.swarm.now,
+                rng=self.swarm.rng,
+                max_contacts=FIRST_CONTACTS,
+            )
+        except NoRouteError:
+            return None
+        answers = self._ask(snapshot, contacts)
+        ready = self._settle(snapshot, estimates, contacts, answers)
+        self.out.first_route_s += ready
+        self.confirmed = _by(answers, ready)
+        return self._confirm_more(snapshot, estimates, _live_route(self.confirmed))
+
+    def _settle(
+        self,
+        snapshot: SwarmSnapshot,
+        estimates: dict[str, float],
+        contacts: list[str],
+        answers: Answers,
+    ) -> float:
+        """When to plan: the first moment the route over the answers in and the servers still
+        awaited (with estimated RTTs) wants none of those awaited. A server is awaited until
+        twice its estimated round trip and PATIENCE_S (or INFO_DEADLINE_S), so that one gone
+        does not hold the first route back until the deadline."""
+        patience = {
+            p: min(INFO_DEADLINE_S, 2 * estimates.get(p, DEFAULT_RTT_S) + PATIENCE_S)
+            for p in contacts
+        }
+        moments = {a[0] for a in answers.values()} | set(patience.values())
+        for moment in sorted(t for t in moments if t <= INFO_DEADLINE_S):
+            confirmed = _by(answers, moment)
+            awaited = tuple(
+                snapshot.by_peer[p] for p in contacts if p not in confirmed and patience[p] > moment
+            )
+            pending = SwarmSnapshot(MODEL, NUM_BLOCKS, awaited)
+            if not servers_to_confirm(pending, confirmed, (), estimates) and (
+                not awaited or _live_route(confirmed) is not None
+            ):
+                return moment
+        return INFO_DEADLINE_S
+
+    def _confirm_more(
+        self, snapshot: SwarmSnapshot, estimates: dict[str, float], route: Route | None
+    ) -> Route | None:
+        """Ask the servers not asked yet that the route over the answers and the estimates
+        wants, and plan again, until it wants no one more (see the module's limits)."""
+        for round_ in range(REPLAN_ROUNDS + CONTACT_ROUNDS):
+            if route is not None and round_ >= REPLAN_ROUNDS:
+                break
+            limit = MAX_CONTACTS * (1 if route is not None else CONTACT_ROUNDS)
+            more = servers_to_confirm(snapshot, self.confirmed, self.asked, estimates)
+            more = more[: limit - len(self.asked)]
+            if not more:
+                break
+            answers = self._ask(snapshot, more)
+            deadline = INFO_DEADLINE_S if route is None else BETTER_DEADLINE_S
+            took = max(answers.get(p, (math.inf,))[0] for p in more)
+            self.out.first_route_s += min(deadline, took)
+            self.confirmed |= _by(answers, deadline)
+            route = _live_route(self.confirmed)
+        return route
+
+    def _ask(self, snapshot: SwarmSnapshot, contacts: list[str]) -> Answers:
+        """`info` to every contact at once: per answering server, when it answered and its live
+        record (if it backs the one it published)."""
+        answers: Answers = {}
+        swarm, out = self.swarm, self.out
+        self.asked.update(contacts)
+        for peer_id in contacts:
+            server = swarm.servers.get(kad_id(peer_id))
+            out.messages += 1
+            out.bytes += INFO_BYTES[0]
+            if server is None or server.record is None:  # gone: no answer
+                continue
+            took = swarm.net.exchange(self.kid, server.kid, *INFO_BYTES, "info")
+            out.messages += 1
+            out.bytes += INFO_BYTES[1]
+            live = confirmed_record(snapshot.by_peer[peer_id], server.record)
+            if live is not None:
+                answers[peer_id] = (took, live)
+        return answers
+
+    def _cost_ratio(self, route: Route) -> float:
+        """The route's cost against the offline optimum, both charged with true RTTs."""
+        swarm = self.swarm
+        truth = swarm.truth()
+        credible = credible_throughputs(truth.records)
+        rtts = {r.peer_id: swarm.net.rtt(self.kid, kad_id(r.peer_id)) for r in truth.records}
+        best = plan_route(_pareto(truth, rtts, credible), rtts=rtts)
+        mine = route_cost(route, rtts=rtts, throughputs=credible)
+        return mine / route_cost(best, rtts=rtts, throughputs=credible)
+
+
+def _by(answers: Answers, seconds: float) -> Answers:
+    """The answers in within `seconds`."""
+    return {p: a for p, a in answers.items() if a[0] <= seconds}
+
+
+def _live_route(confirmed: Answers) -> Route | None:
+    """The cheapest route over the servers that answered, with the RTTs measured; None if they
+    leave a block unserved."""
+    live = SwarmSnapshot(MODEL, NUM_BLOCKS, tuple(a[1] for a in confirmed.values()))
+    try:
+        return plan_route(live, rtts={p: a[0] for p, a in confirmed.items()})
+    except NoRouteError:
+        return None
+
+
+def _pareto(
+    truth: SwarmSnapshot, rtts: dict[str, float], credible: dict[str, float]
+) -> SwarmSnapshot:
+    """`truth` less the servers no optimal route needs: of servers of one span, one is never
+    better than another with a lower RTT and a higher credible throughput (so planning stays
+    fast at 10,000 servers)."""
+    by_span: dict[tuple[int, int], list[ServerRecord]] = {}
+    for record in truth.records:
+        if record.state is ServerState.ONLINE:
+            by_span.setdefault(record.span, []).append(record)
+    kept: list[ServerRecord] = []
+    for records in by_span.values():
+        best = -math.inf
+        for record in sorted(records, key=lambda r: rtts[r.peer_id]):
+            if credible[record.peer_id] > best:
+                best = credible[record.peer_id]
+                kept.append(record)
+    return SwarmSnapshot(MODEL, NUM_BLOCKS, tuple(kept))
