@@ -21,7 +21,7 @@ apt_need "the NAT tests (skipped without them)" iproute2 iptables || true
 
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check .
-pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25)
+pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=60)
 if [ $# -gt 0 ]; then  # the tests named on the command line, after the type check
     .venv/bin/mypy
     exec "${pytest[@]}" "$@"

@@ -15,9 +15,11 @@ from peerd.devtools.localswarm import ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
-def _spawn(args: list[str], log_path: Path) -> forkserver.ForkedProcess:
+def _spawn(
+    args: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> forkserver.ForkedProcess:
     with open(log_path, "a") as log:
-        return forkserver.spawn(args, log, ROOT)
+        return forkserver.spawn(args, log, ROOT, env=env)
 
 
 def test_a_forked_cli_gives_its_output_log_and_exit_status(tmp_path: Path) -> None:
@@ -56,3 +58,12 @@ def test_a_forked_daemon_is_ours_to_signal_and_wait_for(tmp_path: Path) -> None:
     other.kill()
     assert other.wait(10) == -signal.SIGKILL
     assert other.pid != daemon.pid
+
+
+def test_only_peerds_own_variables_go_to_a_forked_daemon(tmp_path: Path) -> None:
+    """Variables an import reads (before the fork) would be the fork server's, not the daemon's:
+    such a daemon starts as a plain process."""
+    assert forkserver.can_fork({}) and forkserver.can_fork({"PEERD_STATE_DIR": "/x"})
+    assert not forkserver.can_fork({"PEERD_STATE_DIR": "/x", "HF_HOME": "/y"})
+    with pytest.raises(ValueError, match="PEERD_"):
+        _spawn(["start", "--help"], tmp_path / "log", env={"TRANSFORMERS_CACHE": "/y"})

@@ -12,8 +12,10 @@ LocalSwarm and the tests use). It is a grandchild of the fork server, orphaned o
 that it is re-parented to the caller, which marks itself a child subreaper: the caller then
 waits for it (its exit status, signals) as for any child.
 
-Only for tests: a daemon that must run in a network namespace, or with environment variables
-of its own (read at import time, before the fork), is started the usual way.
+Only for tests. A daemon may be given environment variables of peerd's own (PEERD_*: read when
+the daemon runs, never at import) and a network namespace to enter (as `ip netns exec` does for
+its sockets); one given any other environment variable, which an import may already have read
+before the fork, is started the usual way (can_fork).
 """
 
 from __future__ import annotations
@@ -30,11 +32,19 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 PR_SET_CHILD_SUBREAPER = 36
+CLONE_NEWNET = 0x40000000
+NETNS_DIR = Path("/run/netns")  # where `ip netns add` keeps its namespaces
 _SERVER_LOCK = threading.Lock()
 _server: ForkServer | None = None
+
+
+def can_fork(env: dict[str, str]) -> bool:
+    """Whether a daemon with these extra environment variables may be forked: only peerd's
+    own, which the daemon reads when it runs."""
+    return all(name.startswith("PEERD_") for name in env)
 
 
 class ForkedProcess:
@@ -97,13 +107,18 @@ class ForkServer:
         self.lock = threading.Lock()
         self.reader = ours.makefile("r")
 
-    def spawn(self, args: list[str], log: IO[str]) -> ForkedProcess:
+    def spawn(
+        self, args: list[str], log: IO[str], env: dict[str, str], netns: str | None
+    ) -> ForkedProcess:
         """Fork a daemon running `python -m cli ARGS` with its stdout to a pipe (returned as
-        the process's stdout) and its stderr to `log`."""
+        the process's stdout), its stderr to `log`, `env` added to its environment, in network
+        namespace `netns` if one is named."""
+        if not can_fork(env):
+            raise ValueError(f"only PEERD_* variables can be given to a forked daemon: {env}")
         read_end, write_end = os.pipe()
         try:
             with self.lock:
-                request = json.dumps({"args": args}).encode() + b"\n"
+                request = json.dumps({"args": args, "env": env, "netns": netns}).encode() + b"\n"
                 socket.send_fds(self.sock, [request], [write_end, log.fileno()])
                 reply = self.reader.readline()
         finally:
@@ -122,14 +137,20 @@ class ForkServer:
             self.process.kill()
 
 
-def spawn(args: list[str], log: IO[str], cwd: Path) -> ForkedProcess:
-    """A daemon forked from this process's fork server (started on first use)."""
+def spawn(
+    args: list[str],
+    log: IO[str],
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    netns: str | None = None,
+) -> ForkedProcess:
+    """A daemon forked from this process's fork server (started on first use): ForkServer.spawn."""
     global _server
     with _SERVER_LOCK:
         if _server is None or _server.process.poll() is not None:
             _server = ForkServer(cwd)
         server = _server
-    return server.spawn(args, log)
+    return server.spawn(args, log, env or {}, netns)
 
 
 def shutdown() -> None:
@@ -157,13 +178,13 @@ def _serve(fd: int) -> None:
         buffer += message
         while b"\n" in buffer:
             line, buffer = buffer.split(b"\n", 1)
-            pid = _fork_daemon(json.loads(line)["args"], fds, sock)
+            pid = _fork_daemon(json.loads(line), fds, sock)
             for received in fds:
                 os.close(received)
             sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
 
 
-def _fork_daemon(args: list[str], fds: list[int], sock: socket.socket) -> int:
+def _fork_daemon(request: dict[str, Any], fds: list[int], sock: socket.socket) -> int:
     """Fork twice so the daemon is orphaned (and re-parented to the caller); return its pid."""
     read_pid, write_pid = os.pipe()
     middle = os.fork()
@@ -173,7 +194,7 @@ def _fork_daemon(args: list[str], fds: list[int], sock: socket.socket) -> int:
         if daemon == 0:
             os.close(write_pid)
             sock.close()
-            _run_daemon(args, fds)
+            _run_daemon(request, fds)
         os.write(write_pid, str(daemon).encode())
         os._exit(0)
     os.close(write_pid)
@@ -183,10 +204,15 @@ def _fork_daemon(args: list[str], fds: list[int], sock: socket.socket) -> int:
     return pid
 
 
-def _run_daemon(args: list[str], fds: list[int]) -> None:
-    """In the forked daemon: its own output, log and random state, then the CLI."""
+def _run_daemon(request: dict[str, Any], fds: list[int]) -> None:
+    """In the forked daemon: its own output, log, environment, network namespace and random
+    state, then the CLI."""
     code = 1
+    args: list[str] = request["args"]
     try:
+        os.environ.update(request["env"])
+        if netns := request["netns"]:
+            _enter_netns(netns)
         stdout, log = fds
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
@@ -212,6 +238,17 @@ def _run_daemon(args: list[str], fds: list[int]) -> None:
             with contextlib.suppress(Exception):  # a closed pipe: nothing left to say
                 stream.flush()
         os._exit(code)
+
+
+def _enter_netns(name: str) -> None:
+    """Move this process into network namespace `name`: its sockets from now on are there."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(NETNS_DIR / name, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name} failed")
+    finally:
+        os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,8 +26,8 @@ _fork = False
 
 
 def use_fork_server(on: bool = True) -> None:
-    """Start daemons (but those in a namespace or with an environment of their own) as forks
-    of one warm process: ~10 s less each on a slow 2-core machine. Off: shut it down."""
+    """Start daemons as forks of one warm process (peerd.devtools.forkserver): ~10 s less each
+    on a slow 2-core machine. Off: shut it down."""
     global _fork
     _fork = on
     if not on:
@@ -49,6 +49,7 @@ class DaemonProcess:
     env: dict[str, str] = field(default_factory=dict)  # extra environment of the daemon
     # Command prefix that runs the daemon elsewhere, e.g. `ip netns exec NS` (peerd.devtools.netns).
     launcher: list[str] = field(default_factory=list)
+    netns: str | None = None  # the network namespace `launcher` enters, if that is all it does
 
     @property
     def maddr(self) -> str:
@@ -59,8 +60,8 @@ class DaemonProcess:
         env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **self.env)
         log = open(self.log_path, "a")  # noqa: SIM115 (closed when the process ends)
         args = ["start", *self.args, *self._own_files()]
-        if _fork and not self.launcher and not self.env:
-            self.process = forkserver.spawn(args, log, ROOT)
+        if _fork and forkserver.can_fork(self.env) and (not self.launcher or self.netns):
+            self.process = forkserver.spawn(args, log, ROOT, env=self.env, netns=self.netns)
         else:
             self.process = subprocess.Popen(
                 [*self.launcher, sys.executable, "-m", "cli", *args],
@@ -191,6 +192,7 @@ class LocalSwarm:
             log_path=self.workdir / f"{name}.log",
             env=env or {},
             launcher=host.exec_args() if host else [],
+            netns=host.netns if host else None,
         )
         self.daemons.append(daemon)
         return daemon.start()
