@@ -41,6 +41,11 @@ _SERVER_LOCK = threading.Lock()
 _server: ForkServer | None = None
 
 
+def daemon_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment a daemon runs in, forked or not: ours, unbuffered, offline, plus `extra`."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **(extra or {}))
+
+
 def can_fork(env: dict[str, str]) -> bool:
     """Whether a daemon with these extra environment variables may be forked: only peerd's
     own, which the daemon reads when it runs."""
@@ -82,9 +87,6 @@ class ForkedProcess:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
 
 class ForkServer:
     """One warm process (this module run as a script) that forks a daemon per request."""
@@ -94,13 +96,12 @@ class ForkServer:
         if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "peerd.devtools.forkserver", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             stdin=subprocess.DEVNULL,
             cwd=cwd,
-            env=env,
+            env=daemon_env(),
         )
         theirs.close()
         self.sock = ours

@@ -3,7 +3,6 @@ the benchmarks and the multi-process tests, stopped however the caller needs (SI
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -57,7 +56,6 @@ class DaemonProcess:
         return next(a for a in self.maddrs if "/p2p-circuit" not in a)
 
     def start(self, timeout: float = 180.0) -> DaemonProcess:
-        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", **self.env)
         log = open(self.log_path, "a")  # noqa: SIM115 (closed when the process ends)
         args = ["start", *self.args, *self._own_files()]
         if _fork and forkserver.can_fork(self.env) and (not self.launcher or self.netns):
@@ -69,7 +67,7 @@ class DaemonProcess:
                 stderr=log,
                 text=True,
                 cwd=ROOT,
-                env=env,
+                env=forkserver.daemon_env(self.env),
             )
         ready = threading.Event()
 
