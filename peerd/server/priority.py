@@ -10,8 +10,23 @@ in proportion to their standing); among takers, and whenever only one class wait
 own fair order holds. Work is what the caller counts (tokens run through our blocks, tokens of
 cache admitted), in tallies that halve every `half_life_s`, so the shares follow the current load.
 
+Order alone cannot keep a contributor's latency near its unloaded figure on a loaded server: its
+step waits for the takers' turn under way (a turn is not preempted), and on a machine shared with
+other servers (the next hops of its route, often) their takers' turns take the cores its forward
+needs. So while a contributor stepped here in the last CONTRIBUTOR_ACTIVE_S, takers' turns are
+held back (`Reservation`), as peerd.server.compute holds training back while inference is active:
+after a turn that ran only takers' work for S seconds, the next such turn waits TAKER_REST * S.
+Takers then have at most 1 / (1 + TAKER_REST) of the device (a third), a contributor's step
+arriving at a random moment finds a takers' turn under way that often and waits half of one on
+average, and every server of the route leaves the cores free two thirds of the time. Takers'
+turns run in smaller pieces meanwhile (peerd.server.batching.RESERVED_TURN_TOKENS). The rest
+never takes the takers' guarantee: while their recent share of the work is under `taker_share`
+they are not held back at all; and it costs nothing when no contributor is about (the takers then
+have the whole device, as before).
+
 `enabled=False` (`peerd start --priority fifo`) keeps the caller's order for everyone and only
-counts, so both modes report the share of work that went to contributors.
+counts, so both modes report the share of work that went to contributors; it never holds anyone
+back.
 """
 
 from __future__ import annotations
@@ -30,6 +45,16 @@ TAKER_SHARE = 0.2
 # Tallies of recent work halve this often: long enough to span many turns, short enough that a
 # burst a minute ago does not decide who goes now.
 HALF_LIFE_S = 30.0
+
+# Takers' turns are held back while a contributor stepped here this recently: a contributor's
+# steps come once per token of each of its sessions (0.15-0.8 s apart on a loaded CPU swarm), so
+# two seconds spans the gaps between its tokens, and a new generation's first step, but ends the
+# takers' rests soon after it stops.
+CONTRIBUTOR_ACTIVE_S = 2.0
+# Meanwhile a turn of takers' work alone that ran S seconds is followed by TAKER_REST * S in which
+# no other such turn starts: takers keep a third of the device, and a contributor's step arriving
+# at a random moment waits on average a third of half a turn for the one under way.
+TAKER_REST = 2.0
 
 CONTRIBUTOR, TAKER = "contributor", "taker"
 
@@ -122,3 +147,55 @@ class Priority:
         """The share of all the work counted so far that went to contributors (0 with none)."""
         total = sum(self.totals.values())
         return self.totals[CONTRIBUTOR] / total if total else 0.0
+
+
+class Reservation:
+    """The device held back from takers while a contributor is active here (module docstring).
+
+    Pure: every method takes `now` on the caller's clock (the batcher's trio clock), which need
+    not be the standing's own."""
+
+    def __init__(
+        self,
+        priority: Priority,
+        *,
+        active_s: float = CONTRIBUTOR_ACTIVE_S,
+        rest: float = TAKER_REST,
+    ) -> None:
+        if active_s < 0 or rest < 0:
+            raise ValueError("active_s and rest must be >= 0")
+        self.priority = priority
+        self.active_s, self.rest = active_s, rest
+        self.contributor_at = -math.inf  # when a contributor last stepped here
+        self.takers_free_at = -math.inf  # when the next turn of takers' work alone may start
+        self.rests = 0  # rests imposed after takers' turns
+        # their length in all (a rest cut short because the contributor went quiet counts whole)
+        self.rested_s = 0.0
+
+    def stepped(self, peer: str, now: float) -> None:
+        """`peer` sent a step at `now`."""
+        if self.priority.enabled and self.priority.is_contributor(peer):
+            self.contributor_at = now
+
+    def active(self, now: float) -> bool:
+        """Takers' turns are held back now: by standing, a contributor stepped lately, and
+        takers are not owed their share."""
+        return (
+            self.priority.enabled
+            and now - self.contributor_at <= self.active_s
+            and not self.priority.takers_owed()
+        )
+
+    def taker_turn_ran(self, ran_s: float, now: float) -> None:
+        """A turn of takers' work alone ended at `now` after `ran_s` seconds."""
+        if ran_s > 0 and self.rest > 0 and self.active(now):
+            rest = self.rest * ran_s
+            self.takers_free_at = now + rest
+            self.rests += 1
+            self.rested_s += rest
+
+    def taker_wait(self, now: float) -> float:
+        """Seconds from `now` until a turn of takers' work alone may start (0: it may now)."""
+        if now >= self.takers_free_at or not self.active(now):
+            return 0.0
+        return self.takers_free_at - now

@@ -1,0 +1,262 @@
+"""Takers' turns held back while a contributor is active (peerd.server.priority.Reservation):
+the rule on a hand-moved clock, a device simulated on it (what each class gets), then a real
+batcher on trio's MockClock with its turns timed by a fake timer. Nothing here asserts on wall
+time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+import blocks
+from blocks import MemoryCache
+from peerd.server.batching import PRIORITY_TURN_TOKENS, RESERVED_TURN_TOKENS, StepBatcher
+from peerd.server.compute import ComputeQueue
+from peerd.server.priority import (
+    CONTRIBUTOR_ACTIVE_S,
+    TAKER_REST,
+    TAKER_SHARE,
+    Priority,
+    Reservation,
+)
+from peerd.server.standing import Standing
+from tests.tiny_models import save_tiny
+
+NUM_BLOCKS = 30
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _priority(clock: Clock | None = None, enabled: bool = True) -> Priority:
+    """A priority on which "C" is a contributor (a third of the model) and anyone else a taker."""
+    standing = Standing(num_blocks=NUM_BLOCKS, qualify_s=0, clock=clock or time.monotonic)
+    standing.saw_serving("C", 10, 1.0)
+    return Priority(standing, enabled=enabled)  # on the standing's clock
+
+
+# --- the rule ------------------------------------------------------------------------------------
+
+
+def test_a_takers_turn_rests_while_a_contributor_is_active_and_not_otherwise() -> None:
+    clock = Clock()
+    reservation = Reservation(_priority(clock))
+    # Nobody with standing about: takers' turns go back to back.
+    reservation.stepped("taker", clock.now)
+    reservation.taker_turn_ran(0.1, clock.now)
+    assert reservation.taker_wait(clock.now) == 0 and reservation.rests == 0
+    # The contributor steps: the next takers' turn of 0.1 s rests TAKER_REST times as long.
+    reservation.stepped("C", clock.now)
+    reservation.taker_turn_ran(0.1, clock.now)
+    assert reservation.taker_wait(clock.now) == pytest.approx(TAKER_REST * 0.1)
+    clock.now += 0.05
+    assert reservation.taker_wait(clock.now) == pytest.approx(TAKER_REST * 0.1 - 0.05)
+    clock.now += TAKER_REST * 0.1
+    assert reservation.taker_wait(clock.now) == 0
+    assert reservation.rests == 1 and reservation.rested_s == pytest.approx(TAKER_REST * 0.1)
+    # The contributor went quiet: a rest under way ends, and no new one starts.
+    reservation.taker_turn_ran(0.1, clock.now)
+    assert reservation.taker_wait(clock.now) > 0
+    clock.now += CONTRIBUTOR_ACTIVE_S + 0.01
+    assert reservation.taker_wait(clock.now) == 0
+    reservation.taker_turn_ran(0.1, clock.now)
+    assert reservation.taker_wait(clock.now) == 0 and reservation.rests == 2
+
+
+def test_fifo_never_holds_takers_back() -> None:
+    clock = Clock()
+    reservation = Reservation(_priority(clock, enabled=False))
+    reservation.stepped("C", clock.now)
+    reservation.taker_turn_ran(1.0, clock.now)
+    assert reservation.taker_wait(clock.now) == 0
+    assert reservation.rests == 0 and reservation.rested_s == 0
+
+
+def test_takers_owed_their_share_are_not_held_back() -> None:
+    clock = Clock()
+    priority = _priority(clock)
+    reservation = Reservation(priority)
+    priority.account("C", 1000)
+    priority.account("taker", 100)  # 9%: under TAKER_SHARE
+    reservation.stepped("C", clock.now)
+    reservation.taker_turn_ran(0.1, clock.now)
+    assert reservation.taker_wait(clock.now) == 0 and reservation.rests == 0
+    priority.account("taker", 1000)  # 52%
+    reservation.taker_turn_ran(0.1, clock.now)
+    assert reservation.taker_wait(clock.now) > 0
+
+
+# --- a device simulated on the hand clock ----------------------------------------------------
+
+
+def _simulate(
+    priority: Priority, *, tokens: int, gap_s: float | None, seconds: float = 100.0
+) -> dict[str, float]:
+    """One device, always some takers' work waiting (a turn of RESERVED_TURN_TOKENS tokens costs
+    0.05 s), and the contributor "C" sending a step of `tokens` tokens `gap_s` after its last
+    one came back (0.01 s + 0.002 s per token; gap_s None: no contributor). What each class got:
+    tokens, device seconds, and the contributor's mean wait per step."""
+    clock = priority.clock
+    assert isinstance(clock, Clock)
+    reservation = Reservation(priority)
+    end = clock.now + seconds  # within C's standing's decay: it stays a contributor
+    ready = clock.now if gap_s is not None else float("inf")  # when C's next step arrives
+    got = {"C": 0.0, "taker": 0.0, "taker_s": 0.0, "waited_s": 0.0, "steps": 0.0}
+    while clock.now < end:
+        if ready <= clock.now:  # C's step waits (with takers'): the order decides
+            reservation.stepped("C", ready)
+            # (the caller's fair order: C's step came after the takers' last turn)
+            first = priority.order(["C", "taker"], owner=str)[0]
+        elif reservation.taker_wait(clock.now) == 0:
+            first = "taker"
+        else:  # the device rests until the rest ends or C's step comes
+            clock.now = min(ready, clock.now + reservation.taker_wait(clock.now))
+            continue
+        if first == "C":
+            work, cost = tokens, 0.01 + 0.002 * tokens
+        else:
+            work, cost = RESERVED_TURN_TOKENS, 0.05
+        priority.account(first, work)
+        if first == "C":
+            got["waited_s"] += clock.now - ready
+            got["steps"] += 1
+        clock.now += cost
+        got[first] += work
+        if first == "taker":
+            got["taker_s"] += cost
+            reservation.taker_turn_ran(cost, clock.now)
+        else:
+            ready = clock.now + (gap_s or 0.0)
+    got["taker_duty"] = got["taker_s"] / seconds
+    got["taker_share"] = got["taker"] / (got["taker"] + got["C"])
+    return got
+
+
+def test_a_decoding_contributor_finds_the_device_free_and_takers_keep_a_third() -> None:
+    alone = _simulate(_priority(Clock()), tokens=1, gap_s=None)
+    assert alone["taker_duty"] > 0.99  # work-conserving: no contributor, no rest
+    with_c = _simulate(_priority(Clock()), tokens=1, gap_s=0.15)
+    # Takers have about 1 / (1 + TAKER_REST) of the device (a little less: C's turns)...
+    assert 0.25 < with_c["taker_duty"] <= 1 / (1 + TAKER_REST) + 0.01
+    assert with_c["taker_share"] > 0.9  # ...and still nearly all the tokens
+    # C's step waits on average at most a third of half a takers' turn (under way when it came).
+    assert with_c["waited_s"] / with_c["steps"] <= 0.05 / 2 / (1 + TAKER_REST) + 0.002
+    fifo = _simulate(_priority(Clock(), enabled=False), tokens=1, gap_s=0.15)
+    assert fifo["taker_duty"] > 0.9  # fifo: takers' turns back to back, C waits its turn
+    assert fifo["waited_s"] / fifo["steps"] > 2 * with_c["waited_s"] / with_c["steps"]
+
+
+def test_takers_keep_their_share_under_a_contributor_that_would_take_the_device() -> None:
+    got = _simulate(_priority(Clock()), tokens=256, gap_s=0.001)
+    assert got["taker_share"] >= TAKER_SHARE - 0.01
+
+
+# --- a real batcher --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def span(tmp_path_factory: pytest.TempPathFactory) -> blocks.Span:
+    path: Path = save_tiny("llama", tmp_path_factory.mktemp("tiny") / "llama")
+    return blocks.load_span(path, 0, 3)
+
+
+class _Ticks:
+    """perf_counter's stand-in for the batcher's turn timer: each call moves it `turn_s` on, so
+    every turn of takers' work alone (timed from one call to the next) ran `turn_s`."""
+
+    def __init__(self, turn_s: float) -> None:
+        self.now, self.turn_s = 0.0, turn_s
+
+    def __call__(self) -> float:
+        self.now += self.turn_s
+        return self.now
+
+
+@pytest.mark.parametrize(
+    ("first", "enabled", "turns", "rests"),
+    [("C", True, 4, 4), ("someone", True, 2, 0), ("C", False, 1, 0)],
+    ids=["standing-contributor-active", "standing-takers-only", "fifo"],
+)
+async def test_a_takers_prefill_rests_between_its_turns_only_while_a_contributor_is_active(
+    span: blocks.Span,
+    autojump_clock: trio.testing.MockClock,
+    first: str,
+    enabled: bool,
+    turns: int,
+    rests: int,
+) -> None:
+    """After a step of `first`, a taker's prefill of 3 * RESERVED_TURN_TOKENS + 8 tokens: by
+    standing, with the contributor active, 4 turns of RESERVED_TURN_TOKENS each resting
+    TAKER_REST times its 0.1 s; with only takers about, 2 turns of PRIORITY_TURN_TOKENS and no
+    rest; fifo: its whole chunk at once. The same result every way."""
+    cache = MemoryCache(budget_tokens=10_000)
+    prompt = torch.randn(1, 3 * RESERVED_TURN_TOKENS + 8, 32)
+    assert span.chunk_tokens >= prompt.shape[1] > PRIORITY_TURN_TOKENS
+    with cache.open_session(1, 256) as reference:
+        want = span(prompt, reference)
+    priority = _priority(enabled=enabled)
+    priority.account("someone", 1000)  # takers had their share lately
+    batcher = StepBatcher(ComputeQueue(), priority=priority, timer=_Ticks(0.1))
+    assert batcher.reservation is not None
+    with cache.open_session(1, 256) as session, cache.open_session(1, 8) as other:
+        await batcher.run(span, other, torch.randn(1, 1, 32), owner=first)
+        before, began = batcher.counters.forwards, trio.current_time()
+        got = await batcher.run(span, session, prompt, owner="taker")
+        took = trio.current_time() - began
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert batcher.counters.forwards - before == turns
+    assert batcher.reservation.rests == rests
+    assert batcher.reservation.rested_s == pytest.approx(rests * TAKER_REST * 0.1)
+    # The rests between its turns (not the one after its last) delayed the prefill.
+    assert took >= max(0, rests - 1) * TAKER_REST * 0.1 - 1e-9
+
+
+async def _spin_until(condition: Callable[[], bool]) -> None:
+    """Yield until `condition` holds (on a clock that stands still: no sleeping)."""
+    give_up = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < give_up, "the batcher never got there"
+        await trio.sleep(0)
+
+
+async def test_a_contributors_step_during_the_takers_rest_runs_at_once(
+    span: blocks.Span, mock_clock: trio.testing.MockClock
+) -> None:
+    """On a clock that moves only when told: the contributor's step runs while the takers' rest
+    holds (held back, it would wait forever), then the prefill goes on once time passes."""
+    cache = MemoryCache(budget_tokens=10_000)
+    priority = _priority()
+    priority.account("someone", 1000)  # takers had their share lately
+    batcher = StepBatcher(ComputeQueue(), priority=priority, timer=_Ticks(0.5))
+    reservation = batcher.reservation
+    assert reservation is not None
+    prompt = torch.randn(1, 3 * RESERVED_TURN_TOKENS + 8, 32)
+    with cache.open_session(1, 256) as taker, cache.open_session(1, 8) as contributor:
+        await batcher.run(span, contributor, torch.randn(1, 1, 32), owner="C")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(batcher.run, span, taker, prompt, "taker")
+            await _spin_until(lambda: reservation.rests == 1)  # its first turn ran: a rest
+            assert batcher.counters.forwards == 2
+            assert reservation.taker_wait(trio.current_time()) == TAKER_REST * 0.5
+            await batcher.run(span, contributor, torch.randn(1, 1, 32), owner="C")
+            assert batcher.counters.forwards == 3  # the contributor's step, alone
+            assert reservation.taker_wait(trio.current_time()) == TAKER_REST * 0.5
+            assert taker.position == RESERVED_TURN_TOKENS  # the prefill waits
+            for rests in (2, 3):  # its next turns, each after a rest, resting in turn
+                mock_clock.jump(TAKER_REST * 0.5)
+                await _spin_until(lambda: reservation.rests == rests)  # noqa: B023
+            # Its last turn, at 3 s: the contributor has been quiet for CONTRIBUTOR_ACTIVE_S.
+            mock_clock.jump(TAKER_REST * 0.5)
+        assert taker.position == prompt.shape[1]
+        assert batcher.counters.forwards == 6 and reservation.rests == 3
