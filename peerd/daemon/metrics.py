@@ -132,7 +132,27 @@ def _standing(server: BlockServer | None) -> list[Metric]:
     contributors = Metric(
         "peerd_contributors", "gauge", "Peers with a standing above zero on this server."
     ).add(len(server.standing.standings()))
-    return [work, share, contributors]
+    return [work, share, contributors, *_reservation(server)]
+
+
+def _reservation(server: BlockServer) -> list[Metric]:
+    """How much the takers' turns were held back for active contributors."""
+    rests = Metric(
+        "peerd_priority_taker_rests_total",
+        "counter",
+        "Rests this server imposed after a turn of takers' work alone while a contributor was "
+        "active here (peerd.server.priority.Reservation; never with --priority fifo).",
+    )
+    rested = Metric(
+        "peerd_priority_taker_rest_seconds_total",
+        "counter",
+        "Their length in seconds: time in which no further turn of takers' work alone started.",
+    )
+    reservation = server.batcher.reservation
+    if reservation is not None:
+        rests.add(reservation.rests)
+        rested.add(reservation.rested_s)
+    return [rests, rested]
 
 
 def _identity(daemon: Daemon) -> Metric:
