@@ -16,7 +16,7 @@ from peerd.daemon.main import DaemonError, blocks_to_serve, parse_blocks
 from peerd.node.identity import IdentityError, load_or_create_identity, peer_id_of
 from peerd.node.p2p import BadMultiaddr, parse_peer_maddr
 from peerd.server.compute import PRIORITY_INFERENCE, PRIORITY_TRAINING, ComputeQueue
-from peerd.session.swarm import block_key
+from peerd.session.dht_keys import block_key
 
 
 def test_identity_persists_with_private_mode(tmp_path: Path) -> None:

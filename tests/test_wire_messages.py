@@ -40,6 +40,8 @@ from wire import (
     OpenInference,
     OpenSession,
     ProtocolError,
+    RecordsReply,
+    RecordsRequest,
     RouteOptions,
     Sampling,
     ServerInfo,
@@ -187,6 +189,9 @@ EXAMPLES: list[Message] = [
     TrainingOutput(hidden_states=HIDDEN, forward_id="f1", route=("12D3KooWA[0:2)",)),
     TrainingBackward(forward_id="f1", grad_outputs=-HIDDEN),
     TrainingGradients(grad_inputs=HIDDEN, grad_prompts=PROMPTS, route=("12D3KooWA[0:2)",)),
+    RecordsRequest(swarm="", model="m", num_blocks=30, shard=3, shards=8, record=b"\x92\xc4"),
+    RecordsRequest(swarm="lab", model="m", num_blocks=30, shard=0, shards=1),
+    RecordsReply(records=(b"\x92\xc4\x01a\xc4\x01b",)),
 ]
 
 

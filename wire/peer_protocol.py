@@ -188,6 +188,40 @@ class InfoResponse(Message):
     record: ServerInfo
 
 
+MAX_SIGNED_RECORD_LEN = 2048
+"""A signed server record (routing.discovery.MAX_SIGNED_RECORD_BYTES); one with one address is
+~200 bytes."""
+
+MAX_SHARD_RECORDS = 256
+"""Records one DHT node keeps under one shard key (routing.discovery.RECORDS_PER_SHARD)."""
+
+MAX_SHARDS = 1 << 13
+"""Shard counts a key may name (routing.discovery keeps at most 4096, published up to twice)."""
+
+
+@message("records_request", max_frame=TINY_FRAME)
+class RecordsRequest(Message):
+    """Keep a server's signed record (routing.discovery.SignedRecord bytes) under a shard key
+    (`record` given), or ask for the records kept under it (`record` None). A DHT node keeps
+    the records of each (swarm, model, num_blocks, shard, shards) apart from every other."""
+
+    swarm: str = spec(max_len=MAX_MODEL_LEN)
+    model: str = spec(min_len=1, max_len=MAX_MODEL_LEN)
+    num_blocks: int = spec(ge=1, le=MAX_BLOCKS)
+    shard: int = spec(ge=0, lt=MAX_SHARDS)
+    shards: int = spec(ge=1, le=MAX_SHARDS)
+    record: bytes | None = spec(default=None, min_len=1, max_len=MAX_SIGNED_RECORD_LEN)
+
+
+@message("records_reply", max_frame=ROUTE_FRAME)
+class RecordsReply(Message):
+    """The signed records kept under the key asked for (none, in answer to a put)."""
+
+    records: tuple[bytes, ...] = spec(
+        default=(), max_items=MAX_SHARD_RECORDS, max_len=MAX_SIGNED_RECORD_LEN
+    )
+
+
 @message("open_session", max_frame=ROUTE_FRAME)
 class OpenSession(_Span, Message):
     """Open an inference session on blocks [start, end) with a KV cache of max_length tokens."""

@@ -236,6 +236,7 @@ class Daemon:
                 swarm_name=config.swarm_name,
             )
             self.swarm.verify_fraction = config.verify_fraction
+            self.swarm.directory.hold_records()  # of the DHT keys we are closest to
             ttl = 2 * config.refresh_period + REFRESH_SLACK_S
             self.models = SwarmModels(
                 self.swarm, self.known_models, record_ttl=ttl, serving=config.serving

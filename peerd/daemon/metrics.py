@@ -101,7 +101,57 @@ def daemon_metrics(daemon: Daemon, rate: TokenRate) -> list[Metric]:
         *([_state(server)] if server is not None else []),
         _errors(server),
         *_standing(server),
+        *_discovery(daemon),
     ]
+
+
+def _discovery(daemon: Daemon) -> list[Metric]:
+    """What finding servers through the DHT's signed records cost (peerd.session.directory),
+    in all and until the first route could be planned."""
+    if daemon.swarm is None:
+        return []
+    stats = daemon.swarm.directory.stats
+    board = daemon.swarm.directory.board
+    out = [
+        Metric("peerd_discovery_lookups_total", "counter", "Kademlia look-ups of shard keys.").add(
+            stats.lookups
+        ),
+        Metric(
+            "peerd_discovery_lookup_messages_total",
+            "counter",
+            "Kademlia queries those look-ups sent.",
+        ).add(stats.lookup_messages),
+        Metric(
+            "peerd_discovery_record_bytes_total", "counter", "Bytes of signed records fetched."
+        ).add(stats.record_bytes),
+        Metric("peerd_discovery_contacts_total", "counter", "Servers asked for their record.").add(
+            stats.contacts
+        ),
+        Metric(
+            "peerd_records_held", "gauge", "Signed server records this daemon keeps as a DHT node."
+        ).add(sum(len(shard) for shard in board.shards.values()) if board else 0),
+        Metric(
+            "peerd_records_refused_total", "counter", "Records refused as forged or malformed."
+        ).add(board.refused if board else 0),
+    ]
+    if stats.first_route_s is not None:
+        out.append(
+            Metric(
+                "peerd_discovery_first_route_seconds",
+                "gauge",
+                "Seconds from the swarm view's start until a route over every block could be "
+                "planned.",
+            ).add(stats.first_route_s)
+        )
+        for name, value in stats.first.items():
+            out.append(
+                Metric(
+                    f"peerd_discovery_first_route_{name}",
+                    "gauge",
+                    f"{name.replace('_', ' ').capitalize()} until the first route.",
+                ).add(value)
+            )
+    return out
 
 
 def _standing(server: BlockServer | None) -> list[Metric]:

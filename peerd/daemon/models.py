@@ -255,6 +255,7 @@ class SwarmModels:
                 swarm_name=like.swarm_name,
             )
             view.verify_fraction = like.verify_fraction
+            view.directory.board = like.directory.board
             view.on_record = self.hear
             # What we heard is live records (each answered an info call within record_ttl):
             # route by them at once; the view's own refreshes take over in the background.

@@ -8,7 +8,6 @@ dies); a server is in our view only while it answers `info`.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import random
@@ -22,10 +21,13 @@ from libp2p.peer.peerinfo import PeerInfo
 import wire
 from peerd.node.p2p import INFO_PROTOCOL, JOINED_PROTOCOL, LEAVING_PROTOCOL, Node
 from peerd.node.streams import Idle, MessageStream
+from peerd.session.dht_keys import block_key, model_key, models_key
+from peerd.session.directory import Directory
 from peerd.session.hops import DIAL_FAULTS, PEER_FAULTS
 from peerd.session.local import LocalServer
 from routing.bans import BanList
-from routing.planner import Route, plan_route
+from routing.discovery import MAX_CONTACTS, choose_contacts
+from routing.planner import NoRouteError, Route, plan_route
 from routing.records import SELECTION_STATES, ServerRecord, SwarmSnapshot, info_to_record
 from routing.rtt import RttTracker
 from routing.speeds import StepSpeeds
@@ -56,8 +58,6 @@ JOIN_LOOKUPS = 8
 MAX_PRESENCE_MEMORY = 4096
 TELL_TIMEOUT_S = 5.0
 MAX_TOLD = 256
-# sha2-256 multihash prefix: remote DHT nodes accept multihash keys of any length we need.
-_MULTIHASH_SHA256 = b"\x12\x20"
 
 
 def _forget_oldest(times: dict[str, float]) -> None:
@@ -65,33 +65,6 @@ def _forget_oldest(times: dict[str, float]) -> None:
     if len(times) >= MAX_PRESENCE_MEMORY:
         for peer_id in sorted(times, key=times.__getitem__)[: len(times) // 2]:
             del times[peer_id]
-
-
-def _dht_key(text: str) -> str:
-    return (_MULTIHASH_SHA256 + hashlib.sha256(text.encode()).digest()).hex()
-
-
-def _prefix(swarm_name: str) -> str:
-    # The public swarm keeps the keys it always had; a private swarm's keys differ entirely, so
-    # daemons of other swarms sharing the DHT (on one LAN, through mDNS) never find its servers.
-    return f"peerd/{swarm_name}/" if swarm_name else "peerd/"
-
-
-def model_key(model: str, swarm_name: str = "") -> str:
-    """The DHT provider key every server of `model` provides (hex of a sha2-256 multihash)."""
-    return _dht_key(f"{_prefix(swarm_name)}{model}")
-
-
-def models_key(swarm_name: str = "") -> str:
-    """The swarm-wide DHT provider key every server provides whatever its model: a daemon finds
-    the models of a swarm of several by asking its providers for their records."""
-    return _dht_key(f"{_prefix(swarm_name)}models")
-
-
-def block_key(model: str, block: int, swarm_name: str = "") -> str:
-    """The DHT provider key of one block: looked up only for blocks the model key did not cover
-    (a DHT node keeps at most 20 providers per key, so big swarms need per-block keys)."""
-    return _dht_key(f"{_prefix(swarm_name)}{model}/block/{block}")
 
 
 class SwarmView:
@@ -141,6 +114,9 @@ class SwarmView:
         # Called with every record of our swarm a peer answers, of any model (how a daemon
         # learns the swarm's other models: peerd.daemon.models).
         self.on_record: Callable[[ServerRecord], None] = lambda record: None
+        # Signed records in the DHT (peerd.session.directory): published by announce, read
+        # first by find_candidates; provider keys find the servers it does not list.
+        self.directory = Directory(node, model, num_blocks, swarm_name)
 
     # --- announcing ---------------------------------------------------------------------------
 
@@ -157,6 +133,8 @@ class SwarmView:
                 await self.node.dht.provide(key)
             except Exception as e:  # a DHT hiccup must not stop serving; retried next period
                 log.warning("announcing %s failed: %s", key[:12], e)
+        if (own := self.own_record()) is not None:
+            await self.directory.publish(own, estimated_servers=len(self.records))
 
     # --- discovering --------------------------------------------------------------------------
 
@@ -179,6 +157,8 @@ class SwarmView:
         keys = [model_key(self.model, self.swarm_name)]
         if not blocks:  # servers of every model: their records name the swarm's models
             keys.append(models_key(self.swarm_name))
+            if await self._from_directory(found):  # it lists a server for every block
+                keys.remove(model_key(self.model, self.swarm_name))
         for key in keys:
             for info in await self._providers(key, own is not None):
                 found.setdefault(info.peer_id.to_string(), info)
@@ -208,11 +188,30 @@ class SwarmView:
                 found[peer_id] = PeerInfo(peer, self.node.host.get_peerstore().addrs(peer))
         return found
 
+    async def _from_directory(self, found: dict[str, PeerInfo]) -> bool:
+        """Add the servers the directory lists (all of them up to MAX_CONTACTS; beyond, those
+        of the cheapest few routes, `choose_contacts`) to `found`; whether they cover every
+        block."""
+        believed = await self.directory.read(estimated_servers=len(self.records))
+        snapshot = believed.snapshot
+        wanted = [r.peer_id for r in snapshot.records]
+        if len(wanted) > MAX_CONTACTS:
+            try:
+                wanted = choose_contacts(snapshot, rtts=self.rtts, bans=self.bans, now=time.time())
+            except NoRouteError:
+                wanted = wanted[:MAX_CONTACTS]
+        for peer_id in wanted:
+            peer = ID.from_base58(peer_id)
+            self.node.remember(peer, snapshot.by_peer[peer_id].addrs)
+            found.setdefault(peer_id, PeerInfo(peer, []))
+        return bool(snapshot.records) and not snapshot.uncovered_blocks()
+
     async def fetch_record(self, peer: PeerInfo) -> ServerRecord | None:
         """Ask a peer for its live record; None if it does not answer well in time."""
         peer_id = peer.peer_id.to_string()
         started = time.perf_counter()
         reached = False
+        self.directory.stats.contacts += 1
         try:
             with trio.fail_after(INFO_TIMEOUT_S):
                 if peer.addrs:
@@ -287,6 +286,8 @@ class SwarmView:
                 log.info("servers left the swarm view: %s", ", ".join(sorted(gone)))
             self.records = fresh
             self._remember_seen(fresh)
+            if not self.snapshot().uncovered_blocks(states=SELECTION_STATES):
+                self.directory.stats.route_found()
             for peer_id in gone:
                 self.rtts.forget(peer_id)
                 self.speeds.forget(peer_id)
