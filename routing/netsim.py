@@ -85,12 +85,23 @@ class Network:
         """A new peer; a `member` joins the DHT (a client looks things up but stores nothing)."""
         rng = self.rng
         cx, cy = (rng.randrange(REGIONS) * 0.2, rng.randrange(2) * 0.5)
+        x, y = cx + rng.gauss(0, 0.04), cy + rng.gauss(0, 0.04)
+        return self.place(name, rng.lognormvariate(math.log(0.004), 0.6), x=x, y=y, member=member)
+
+    def place(
+        self, name: str, access_s: float, *, x: float = 0.0, y: float = 0.0, member: bool = True
+    ) -> SimPeer:
+        """A new peer at a given point and access delay (its bandwidth and coordinate error
+        drawn). Peers all placed at one point are a star: a round trip between two is twice the
+        sum of their access delays (times the scale; 1 unless calibrated), what a delay on each
+        host's own link realises (peerd bench scale --real)."""
+        rng = self.rng
         peer = SimPeer(
             name,
             kad_id(name),
-            cx + rng.gauss(0, 0.04),
-            cy + rng.gauss(0, 0.04),
-            rng.lognormvariate(math.log(0.004), 0.6),
+            x,
+            y,
+            access_s,
             rng.lognormvariate(math.log(20e6 / 8), 0.7),
             (rng.gauss(0, COORD_ERROR), rng.gauss(0, COORD_ERROR), rng.gauss(0, COORD_ERROR)),
         )

@@ -64,6 +64,18 @@ LOAD_S = 30.0
 STORE_BYTES = 48  # a store or read request's framing besides what it carries
 
 
+@dataclass(frozen=True)
+class ServerSpec:
+    """A server given rather than drawn (peerd bench scale --real starts the same ones as real
+    daemons): the seed of its Ed25519 identity, its access delay (routing.netsim's `place`),
+    how many blocks it serves and its throughput (tokens/s through its whole span)."""
+
+    seed: bytes
+    access_s: float
+    span_len: int
+    throughput: float
+
+
 @dataclass
 class SimServer:
     keys: KeyPair
@@ -92,6 +104,8 @@ class Swarm:
     seed: int = 0
     median_rtt_s: float = 0.05
     lane_records: int = LANE_RECORDS
+    num_blocks: int = NUM_BLOCKS
+    rebalance: bool = True  # False: servers keep the span they chose (no `better_span`)
     rng: random.Random = field(init=False)
     net: Network = field(init=False)
     servers: dict[int, SimServer] = field(default_factory=dict)
@@ -106,14 +120,21 @@ class Swarm:
 
     # --- servers ------------------------------------------------------------------------------
 
-    def new_server(self) -> SimServer:
-        keys = create_new_key_pair(self.rng.randbytes(32))
-        peer_id = ID.from_pubkey(keys.public_key).to_base58()
-        peer = self.net.add(peer_id)
-        memory = self.rng.choice(GPU_MEMORY_GIB) * GIB * 8 // 10
-        span_len = max(1, blocks_that_fit(memory, BLOCK_BYTES, CACHE_BYTES, NUM_BLOCKS))
-        speed = self.rng.lognormvariate(7.0, 0.6)  # block steps/s of the device
-        server = SimServer(keys, peer_id, peer.kid, span_len, speed / span_len)
+    def new_server(self, spec: ServerSpec | None = None) -> SimServer:
+        """A server drawn from volunteers' machines, or the one `spec` gives."""
+        if spec is not None:
+            keys = create_new_key_pair(spec.seed)
+            peer_id = ID.from_pubkey(keys.public_key).to_base58()
+            peer = self.net.place(peer_id, spec.access_s)
+            server = SimServer(keys, peer_id, peer.kid, spec.span_len, spec.throughput)
+        else:
+            keys = create_new_key_pair(self.rng.randbytes(32))
+            peer_id = ID.from_pubkey(keys.public_key).to_base58()
+            peer = self.net.add(peer_id)
+            memory = self.rng.choice(GPU_MEMORY_GIB) * GIB * 8 // 10
+            span_len = max(1, blocks_that_fit(memory, BLOCK_BYTES, CACHE_BYTES, self.num_blocks))
+            speed = self.rng.lognormvariate(7.0, 0.6)  # block steps/s of the device
+            server = SimServer(keys, peer_id, peer.kid, span_len, speed / span_len)
         self.servers[peer.kid] = server
         self.stores[peer.kid] = {}
         return server
@@ -165,7 +186,7 @@ class Swarm:
     def sampled_view(self, server: SimServer) -> tuple[SwarmSnapshot, float]:
         shards = self.read_view(server)
         others = tuple(r for p, r in server.view.items() if p != server.peer_id)
-        return SwarmSnapshot(MODEL, NUM_BLOCKS, others), shards
+        return SwarmSnapshot(MODEL, self.num_blocks, others), shards
 
     def join(self, server: SimServer) -> None:
         server.estimate, _ = self.bootstrap(server.kid)
@@ -229,7 +250,7 @@ class Swarm:
                 self.net.exchange(server.kid, replica, len(signed) + STORE_BYTES, 8, "store")
             kept = self.stores[replica]
             if key not in kept:
-                kept[key] = RecordShard(MODEL, NUM_BLOCKS, index, shards, cell=cell)
+                kept[key] = RecordShard(MODEL, self.num_blocks, index, shards, cell=cell)
             kept[key].offer(signed, self.now)
 
     def recheck(self, server: SimServer) -> None:
@@ -275,11 +296,12 @@ class Swarm:
     def start_server(self, server: SimServer) -> None:
         self.join(server)
         self.schedule(PUBLISH_PERIOD_S * self.rng.uniform(0.5, 1.0), "publish", server.kid)
-        self.schedule(RECHECK_PERIOD_S * self.rng.uniform(0.5, 1.5), "recheck", server.kid)
+        if self.rebalance:
+            self.schedule(RECHECK_PERIOD_S * self.rng.uniform(0.5, 1.5), "recheck", server.kid)
 
     def truth(self) -> SwarmSnapshot:
         records = [s.record for s in self.servers.values() if s.record is not None]
-        return SwarmSnapshot(MODEL, NUM_BLOCKS, tuple(records))
+        return SwarmSnapshot(MODEL, self.num_blocks, tuple(records))
 
     def advance(self, until: float) -> None:
         while self._events and self._events[0][0] <= until:

@@ -44,7 +44,7 @@ from routing.discovery import (
 from routing.netsim import kad_id
 from routing.planner import DEFAULT_RTT_S, NoRouteError, plan_route, route_cost
 from routing.records import ServerRecord, SwarmSnapshot
-from routing.simulate import MODEL, NUM_BLOCKS, Swarm
+from routing.simulate import MODEL, Swarm
 from routing.speeds import credible_throughputs
 from wire import ServerState
 
@@ -80,9 +80,13 @@ class ClientRun:
     cost_ratio: float = math.inf
 
 
-def first_route(swarm: Swarm, name: str) -> ClientRun | None:
-    """One client's way to its first route; None if it found none."""
-    peer = swarm.net.add(name, member=False)
+def first_route(swarm: Swarm, name: str, access_s: float | None = None) -> ClientRun | None:
+    """One client's way to its first route; None if it found none. With `access_s`, the client
+    has that access delay (routing.netsim's `place`) instead of a drawn place in the network."""
+    if access_s is None:
+        peer = swarm.net.add(name, member=False)
+    else:
+        peer = swarm.net.place(name, access_s, member=False)
     try:
         return _Client(swarm, peer.kid).route()
     finally:
@@ -112,7 +116,7 @@ class _Client:
     def _believe(self, fetched: list[SignedRecord]) -> tuple[SwarmSnapshot, dict[str, float]]:
         swarm = self.swarm
         believed = believe(
-            [(None, s) for s in fetched], model=MODEL, num_blocks=NUM_BLOCKS, now=swarm.now
+            [(None, s) for s in fetched], model=MODEL, num_blocks=swarm.num_blocks, now=swarm.now
         )
         own = swarm.net.coords(self.kid)
         estimates = {p: estimated_rtt(own, c) for p, c in believed.coords.items()}
@@ -163,7 +167,7 @@ class _Client:
         self.spare = [shard_key(MODEL, index, count) for index, count in more[:MORE_SHARDS]]
         while self.spare:
             records = (authentic(s)[0] for s in fetched)
-            served = SwarmSnapshot.from_records(MODEL, NUM_BLOCKS, records, now=swarm.now)
+            served = SwarmSnapshot.from_records(MODEL, swarm.num_blocks, records, now=swarm.now)
             if not served.uncovered_blocks():
                 break
             fetched += self._read([self.spare.pop(0)])
@@ -186,7 +190,7 @@ class _Client:
         ready = self._settle(snapshot, estimates, contacts, answers)
         self.out.first_route_s += ready
         self.confirmed = _by(answers, ready)
-        return self._confirm_more(snapshot, estimates, _live_route(self.confirmed))
+        return self._confirm_more(snapshot, estimates, self._live_route(self.confirmed))
 
     def _settle(
         self,
@@ -209,9 +213,9 @@ class _Client:
             awaited = tuple(
                 snapshot.by_peer[p] for p in contacts if p not in confirmed and patience[p] > moment
             )
-            pending = SwarmSnapshot(MODEL, NUM_BLOCKS, awaited)
+            pending = SwarmSnapshot(MODEL, self.swarm.num_blocks, awaited)
             if not servers_to_confirm(pending, confirmed, (), estimates) and (
-                not awaited or _live_route(confirmed) is not None
+                not awaited or self._live_route(confirmed) is not None
             ):
                 return moment
         return INFO_DEADLINE_S
@@ -234,8 +238,17 @@ class _Client:
             took = max(answers.get(p, (math.inf,))[0] for p in more)
             self.out.first_route_s += min(deadline, took)
             self.confirmed |= _by(answers, deadline)
-            route = _live_route(self.confirmed)
+            route = self._live_route(self.confirmed)
         return route
+
+    def _live_route(self, confirmed: Answers) -> Route | None:
+        """The cheapest route over the servers that answered, with the RTTs measured; None if
+        they leave a block unserved."""
+        live = SwarmSnapshot(MODEL, self.swarm.num_blocks, tuple(a[1] for a in confirmed.values()))
+        try:
+            return plan_route(live, rtts={p: a[0] for p, a in confirmed.items()})
+        except NoRouteError:
+            return None
 
     def _ask(self, snapshot: SwarmSnapshot, contacts: list[str]) -> Answers:
         """`info` to every contact at once: per answering server, when it answered and its live
@@ -261,26 +274,23 @@ class _Client:
         """The route's cost against the offline optimum, both charged with true RTTs."""
         swarm = self.swarm
         truth = swarm.truth()
-        credible = credible_throughputs(truth.records)
         rtts = {r.peer_id: swarm.net.rtt(self.kid, kad_id(r.peer_id)) for r in truth.records}
-        best = plan_route(_pareto(truth, rtts, credible), rtts=rtts)
-        mine = route_cost(route, rtts=rtts, throughputs=credible)
-        return mine / route_cost(best, rtts=rtts, throughputs=credible)
+        return cost_vs_optimum(route, truth, rtts)
+
+
+def cost_vs_optimum(route: Route, truth: SwarmSnapshot, rtts: dict[str, float]) -> float:
+    """What `route` costs against the offline optimum, the cheapest route over every online
+    server of `truth` with the true RTTs `rtts` (from the client to each server): both charged
+    as routing.planner charges them, with the credible throughputs of the whole swarm."""
+    credible = credible_throughputs(truth.records)
+    best = plan_route(_pareto(truth, rtts, credible), rtts=rtts)
+    mine = route_cost(route, rtts=rtts, throughputs=credible)
+    return mine / route_cost(best, rtts=rtts, throughputs=credible)
 
 
 def _by(answers: Answers, seconds: float) -> Answers:
     """The answers in within `seconds`."""
     return {p: a for p, a in answers.items() if a[0] <= seconds}
-
-
-def _live_route(confirmed: Answers) -> Route | None:
-    """The cheapest route over the servers that answered, with the RTTs measured; None if they
-    leave a block unserved."""
-    live = SwarmSnapshot(MODEL, NUM_BLOCKS, tuple(a[1] for a in confirmed.values()))
-    try:
-        return plan_route(live, rtts={p: a[0] for p, a in confirmed.items()})
-    except NoRouteError:
-        return None
 
 
 def _pareto(
@@ -300,4 +310,4 @@ def _pareto(
             if credible[record.peer_id] > best:
                 best = credible[record.peer_id]
                 kept.append(record)
-    return SwarmSnapshot(MODEL, NUM_BLOCKS, tuple(kept))
+    return SwarmSnapshot(truth.model, truth.num_blocks, tuple(kept))

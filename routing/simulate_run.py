@@ -6,18 +6,19 @@ holds what `peerd bench scale` prints.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from routing.discovery import LANE_RECORDS
 from routing.simulate import (
     LOAD_S,
-    NUM_BLOCKS,
     PUBLISH_PERIOD_S,
     RECHECK_PERIOD_S,
+    ServerSpec,
     Swarm,
 )
 from routing.simulate_client import ClientRun, first_route
@@ -68,6 +69,47 @@ def run(
     report = measured.report()
     report["wall_s"] = round(time.perf_counter() - started, 1)
     return report
+
+
+def run_given(
+    servers: Sequence[ServerSpec],
+    clients: Sequence[float],
+    *,
+    num_blocks: int,
+    seed: int = 0,
+    settle_s: float = 60.0,
+    client_gap_s: float = 10.0,
+) -> dict[str, Any]:
+    """The swarm of `servers` as given, joining in order, each choosing its span with
+    `choose_blocks` and keeping it (no rebalancing, no churn); `settle_s` after they are online,
+    one client per access delay in `clients`, `client_gap_s` apart, finds its first route. What
+    `peerd bench scale --real` starts again as real daemons (the spans under "spans") to compare
+    with. Per client under "clients" (None: it found no route)."""
+    if not servers or not clients or num_blocks < 1:
+        raise ValueError("need at least one server, one client and one block")
+    swarm = Swarm(len(servers), seed, num_blocks=num_blocks, rebalance=False)
+    joined = [swarm.new_server(spec) for spec in servers]
+    for server in joined:
+        swarm.start_server(server)
+    swarm.advance(LOAD_S + settle_s)
+    done: list[ClientRun | None] = []
+    for i, access_s in enumerate(clients):
+        done.append(first_route(swarm, f"client-{i}", access_s))
+        swarm.advance(swarm.now + client_gap_s)
+    routed = [c for c in done if c is not None]
+    return {
+        "spans": [list(s.record.span) if s.record else None for s in joined],
+        "peer_ids": [s.peer_id for s in joined],
+        "clients": [dataclasses.asdict(c) if c else None for c in done],
+        "first_route_s": quantiles([c.first_route_s for c in routed]),
+        "messages_per_lookup": round(
+            sum(c.lookup_messages for c in routed) / (sum(c.lookups for c in routed) or 1), 2
+        ),
+        "lookups": quantiles([float(c.lookups) for c in routed]),
+        "contacts": quantiles([float(c.contacts) for c in routed]),
+        "bytes_per_plan": quantiles([float(c.bytes) for c in routed]),
+        "cost_vs_optimum": quantiles([c.cost_ratio for c in routed]),
+    }
 
 
 class _Measure:
@@ -178,7 +220,7 @@ class _Measure:
         ratios = [mn / mx if mx else 0.0 for _, _, mn, mx in self.coverage]
         return {
             "peers": swarm.peers,
-            "blocks": NUM_BLOCKS,
+            "blocks": swarm.num_blocks,
             "median_rtt_s": swarm.median_rtt_s,
             "simulated_s": self.span_s,
             "recheck_period_s": RECHECK_PERIOD_S,

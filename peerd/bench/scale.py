@@ -99,17 +99,52 @@ def format_scale_report(report: dict[str, Any]) -> str:
 def bench_scale(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     peers: list[int] = typer.Option([10_000], "--peers", help="Swarm size; repeat for several."),
-    clients: int = typer.Option(CLIENTS, min=1, help="Clients finding a first route."),
+    clients: int | None = typer.Option(
+        None, min=1, help=f"Clients finding a first route (default {CLIENTS}; 5 with --real)."
+    ),
     churn: float = typer.Option(0.3, min=0.0, max=1.0, help="Share of peers replaced."),
     periods: float = typer.Option(4.0, min=0.5, help="Recheck periods (120 s) simulated."),
     seed: int = typer.Option(0, help="Seed of the simulated swarm."),
+    real: int = typer.Option(
+        0,
+        min=0,
+        help="Instead: this many real server daemons of a tiny model in network namespaces "
+        "(root) against the simulator over the same swarm (docs/routing.md, Validation).",
+    ),
+    blocks: int = typer.Option(24, min=8, help="With --real: blocks of the tiny model."),
 ) -> None:
     """Time, messages and bytes to a first route, route cost against the optimum, coverage under
     churn and per-server upkeep, from peerd's routing code over a simulated network
-    (`peerd bench scale`; cli.py registers it)."""
+    (`peerd bench scale`; cli.py registers it). With --real N: the simulator checked against N
+    real daemons (peerd.bench.scale_real)."""
+    if real:
+        _bench_scale_real(real, clients, blocks, seed, as_json)
+        return
     try:
-        report = run_scale_bench(peers, seed=seed, clients=clients, churn=churn, periods=periods)
+        report = run_scale_bench(
+            peers, seed=seed, clients=clients or CLIENTS, churn=churn, periods=periods
+        )
     except ValueError as e:
         typer.echo(f"peerd bench scale: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(json.dumps(report) if as_json else format_scale_report(report))
+
+
+def _bench_scale_real(
+    servers: int, clients: int | None, blocks: int, seed: int, as_json: bool
+) -> None:
+    import logging
+
+    from peerd.bench.scale_real import CLIENTS as REAL_CLIENTS
+    from peerd.bench.scale_real import format_report, run_scale_real_bench
+    from peerd.devtools.netns import NetnsUnavailable
+
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        report = run_scale_real_bench(
+            servers, clients or REAL_CLIENTS, num_blocks=blocks, seed=seed
+        )
+    except (ValueError, NetnsUnavailable) as e:
+        typer.echo(f"peerd bench scale --real: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(report) if as_json else format_report(report))
