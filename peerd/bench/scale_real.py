@@ -59,7 +59,7 @@ FIRST_ROUTE_METRIC = "peerd_discovery_first_route_seconds"
 FIRST_ROUTE_FIGURES = {
     "lookups": "peerd_discovery_first_route_lookups",
     "lookup_queries": "peerd_discovery_first_route_lookup_messages",
-    "bytes": "peerd_discovery_first_route_bytes",
+    "bytes": "peerd_discovery_first_route_record_bytes",
     "contacts": "peerd_discovery_first_route_contacts",
 }
 COMPARED = ("first_route_s", "messages_per_lookup", "cost_vs_optimum")
@@ -204,6 +204,19 @@ def metric(values: dict[str, float], name: str) -> float | None:
     return None
 
 
+def python_in(netns: str, code: str, *args: str, timeout: float = 60.0) -> str:
+    """Run `python -c code args` inside network namespace `netns`; its standard output."""
+    done = subprocess.run(
+        ["ip", "netns", "exec", netns, sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"a probe in {netns} failed: {done.stderr.strip()[-500:]}")
+    return done.stdout
+
+
 def scrape_in(netns: str, port: int, timeout: float = 30.0) -> dict[str, float]:
     """One scrape of a daemon's /metrics inside network namespace `netns` (where its 127.0.0.1
     is): `name{labels}` -> value, as peerd.devtools.localswarm.scrape_metrics gives it."""
@@ -212,20 +225,27 @@ def scrape_in(netns: str, port: int, timeout: float = 30.0) -> dict[str, float]:
         "timeout=float(sys.argv[2])).read().decode())"
     )
     url = f"http://127.0.0.1:{port}/metrics"
-    done = subprocess.run(
-        ["ip", "netns", "exec", netns, sys.executable, "-c", fetch, url, str(timeout)],
-        capture_output=True,
-        text=True,
-        timeout=timeout + 10,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"scraping {url} in {netns} failed: {done.stderr.strip()[-500:]}")
+    text = python_in(netns, fetch, url, str(timeout), timeout=timeout + 10)
     values = {}
-    for line in done.stdout.splitlines():
+    for line in text.splitlines():
         if line and not line.startswith("#"):
             key, _, value = line.rpartition(" ")
             values[key] = float(value)
     return values
+
+
+def tcp_rtts(netns: str, addresses: Sequence[tuple[str, int]]) -> list[float]:
+    """From inside `netns`, the seconds a TCP connect to each address takes: one round trip
+    (SYN, SYN-ACK), what the links' delays realise, without the daemons' own work."""
+    probe = (
+        "import socket, sys, time\n"
+        "for a in sys.argv[1:]:\n"
+        "    ip, port = a.rsplit(':', 1); t = time.perf_counter()\n"
+        "    socket.create_connection((ip, int(port)), timeout=10).close()\n"
+        "    print(time.perf_counter() - t)"
+    )
+    out = python_in(netns, probe, *(f"{ip}:{port}" for ip, port in addresses))
+    return [float(line) for line in out.split()]
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -14,6 +14,7 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from peerd.bench.scale_real import (
     metric,
     parse_route,
     scrape_in,
+    tcp_rtts,
 )
 from routing.records import SwarmSnapshot, info_to_record
 from routing.simulate_client import cost_vs_optimum
@@ -71,14 +73,14 @@ def run_real(
             try:
                 hosts = _hosts(topo, plan)
                 started = time.monotonic()
-                delays = _start_servers(swarm, hosts, plan, spans, model, say)
-                say(f"{len(delays)} servers up in {time.monotonic() - started:.0f} s; settling")
+                servers = _start_servers(swarm, hosts, plan, spans, model, say)
+                say(f"{len(servers)} servers up in {time.monotonic() - started:.0f} s; settling")
                 time.sleep(settle_s)
                 truth = _truth(swarm.daemons, plan.num_blocks, spans, notes)
                 clients = []
                 for i, delay in enumerate(plan.client_delays_s):
                     client = Client(swarm, hosts[f"c{i}"], model, delay)
-                    clients.append(client.measure(truth, delays, notes, say))
+                    clients.append(client.measure(truth, servers, notes, say))
                 notes.append(_memory_note(swarm.daemons))
             finally:
                 swarm.stop()
@@ -106,12 +108,13 @@ def _start_servers(
     spans: list[list[int] | None],
     model: Path,
     say: Say,
-) -> dict[str, float]:
-    """Each server on its span, with its identity and throughput; peer id -> its host's delay."""
+) -> dict[str, Server]:
+    """Each server on its span, with its identity and throughput; by peer id, its host's delay
+    and listen address."""
     from libp2p.crypto.ed25519 import create_new_key_pair
     from libp2p.peer.id import ID
 
-    delays = {}
+    servers = {}
     for i, (spec, span) in enumerate(zip(plan.servers, spans, strict=True)):
         assert span is not None
         name = f"s{i:02d}"
@@ -124,10 +127,11 @@ def _start_servers(
         expected = ID.from_pubkey(create_new_key_pair(spec.seed).public_key).to_base58()
         if daemon.peer_id != expected:
             raise RuntimeError(f"daemon {name} is {daemon.peer_id}, not {expected} (its seed)")
-        delays[daemon.peer_id] = plan.server_delays_s[i]
+        _, _, ip, _, port = daemon.maddr.split("/")[:5]
+        servers[daemon.peer_id] = Server(plan.server_delays_s[i], (ip, int(port)))
         if (i + 1) % 6 == 0:
             say(f"{i + 1} of {len(plan.servers)} servers started")
-    return delays
+    return servers
 
 
 def _truth(
@@ -168,7 +172,7 @@ class Client:
         self.swarm, self.host, self.model, self.delay_s = swarm, host, model, delay_s
 
     def measure(
-        self, truth: SwarmSnapshot, delays: dict[str, float], notes: list[str], say: Say
+        self, truth: SwarmSnapshot, servers: dict[str, Server], notes: list[str], say: Say
     ) -> dict[str, Any]:
         """Its first route's figures, the route it plans and that route's cost ratio."""
         args = ("--model", str(self.model), "--metrics-port", "0")
@@ -179,10 +183,14 @@ class Client:
                 notes.append(NO_DISCOVERY_METRICS)
                 figures = {}
             hops = self._route(daemon)
-            rtts = {peer: Plan.rtt(self.delay_s, delay) for peer, delay in delays.items()}
+            rtts = {peer: Plan.rtt(self.delay_s, s.delay_s) for peer, s in servers.items()}
             figures["route"] = list(hops)
             figures["cost_ratio"] = round(cost_vs_optimum(parse_route(hops, truth), truth, rtts), 4)
-            figures["rtt_realised_over_model"] = self._realised(daemon, rtts)
+            tcp = tcp_rtts(self.host.netns, [s.address for s in servers.values()])
+            figures["tcp_rtt_over_model"] = _median(
+                [t / r for t, r in zip(tcp, rtts.values(), strict=True)]
+            )
+            figures["info_rtt_over_model"] = self._info_rtts(daemon, rtts)
             figures["delay_ms"] = round(self.delay_s * 1000, 2)
         finally:
             daemon.kill()
@@ -228,9 +236,10 @@ class Client:
                     raise RuntimeError(f"client {daemon.name} opened no session: {e}") from None
                 time.sleep(0.5)
 
-    def _realised(self, daemon: DaemonProcess, rtts: dict[str, float]) -> float | None:
-        """The median, over the servers the client measured, of its smoothed RTT over the
-        modelled one (1: the namespaces realise the model; above: processing adds to it)."""
+    def _info_rtts(self, daemon: DaemonProcess, rtts: dict[str, float]) -> float | None:
+        """The median, over the servers the client measured, of the round trip it measured
+        (its `info` calls, smoothed: a stream's negotiation and the daemons' work included) over
+        the modelled one."""
         from peerd.sdk.client import Client as SdkClient
 
         with SdkClient(daemon.socket, timeout=30) as sdk:
@@ -240,4 +249,16 @@ class Client:
             for info, rtt in zip(status.swarm, status.rtts, strict=False)
             if rtt > 0 and info.peer_id in rtts
         ]
-        return round(statistics.median(ratios), 3) if ratios else None
+        return _median(ratios)
+
+
+def _median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+@dataclass(frozen=True)
+class Server:
+    """A server daemon as a client's measurement needs it: its host's delay, where it listens."""
+
+    delay_s: float
+    address: tuple[str, int]
