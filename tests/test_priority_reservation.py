@@ -5,6 +5,7 @@ time."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,8 +16,15 @@ import trio
 import trio.testing
 
 import blocks
-from blocks import MemoryCache
-from peerd.server.batching import PRIORITY_TURN_TOKENS, RESERVED_TURN_TOKENS, StepBatcher
+from blocks import MemoryCache, SpanSession
+from peerd.daemon.metrics import _standing, render
+from peerd.server.batching import (
+    GATHER_MIN_S,
+    PRIORITY_TURN_TOKENS,
+    RESERVED_TURN_TOKENS,
+    StepBatcher,
+)
+from peerd.server.block_server import BlockServer
 from peerd.server.compute import ComputeQueue
 from peerd.server.priority import (
     CONTRIBUTOR_ACTIVE_S,
@@ -26,6 +34,7 @@ from peerd.server.priority import (
     Reservation,
 )
 from peerd.server.standing import Standing
+from tests.test_routing_fixtures import MODEL
 from tests.tiny_models import save_tiny
 
 NUM_BLOCKS = 30
@@ -260,3 +269,90 @@ async def test_a_contributors_step_during_the_takers_rest_runs_at_once(
             mock_clock.jump(TAKER_REST * 0.5)
         assert taker.position == prompt.shape[1]
         assert batcher.counters.forwards == 6 and reservation.rests == 3
+
+
+async def _both_wait_then_run(
+    batcher: StepBatcher, span: blocks.Span, first: tuple[str, SpanSession], then: SpanSession
+) -> list[str]:
+    """With the device held, a decode step of `first` (owner, session), then one of "C" on
+    `then`; the device freed once both wait. The owners in the order their steps finished."""
+    done: list[str] = []
+
+    async def step(owner: str, session: SpanSession) -> None:
+        await batcher.run(span, session, torch.randn(1, 1, 32), owner=owner)
+        done.append(owner)
+
+    gate = threading.Event()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(batcher.compute.run, 0, gate.wait)
+            await _spin_until(lambda: batcher.compute.depth == 1)
+            nursery.start_soon(step, *first)
+            await _spin_until(lambda: len(batcher._waiting) == 1)
+            nursery.start_soon(step, "C", then)
+            await _spin_until(lambda: len(batcher._waiting) == 2)
+            gate.set()
+    finally:
+        gate.set()
+    return done
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["standing", "fifo"])
+async def test_while_reserved_a_contributors_round_takes_no_takers_rows(
+    span: blocks.Span, enabled: bool
+) -> None:
+    """A taker's decode step and then a contributor's wait for the device: by standing the
+    contributor's runs first and alone (eight takers' rows would add half to its forward),
+    then the taker's in a turn of its own; fifo merges them into one forward."""
+    cache = MemoryCache(budget_tokens=10_000)
+    priority = _priority(enabled=enabled)
+    priority.account("someone", 1000)  # takers had their share lately
+    batcher = StepBatcher(ComputeQueue(), priority=priority)
+    with cache.open_session(1, 8) as taker, cache.open_session(1, 8) as contributor:
+        done = await _both_wait_then_run(batcher, span, ("taker", taker), contributor)
+    if enabled:
+        assert done == ["C", "taker"]
+        assert batcher.counters.forwards == 2 and batcher.counters.merged_steps == 0
+    else:
+        assert sorted(done) == ["C", "taker"]
+        assert batcher.counters.forwards == 1 and batcher.counters.merged_steps == 2
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["standing", "fifo"])
+async def test_while_reserved_a_contributors_step_waits_for_no_takers_partner(
+    span: blocks.Span, autojump_clock: trio.testing.MockClock, enabled: bool
+) -> None:
+    """A contributor's session that last ran in one forward with a taker's: its next step, on a
+    free device, waits (GATHER_MIN_S at least) for the taker's to come too, unless the device is
+    reserved for contributors (standing, takers not owed): then it goes at once."""
+    cache = MemoryCache(budget_tokens=10_000)
+    priority = _priority(enabled=enabled)
+    priority.account("C", 1000)  # takers are owed their share: not reserved, the steps merge
+    batcher = StepBatcher(ComputeQueue(), priority=priority)
+    with cache.open_session(1, 8) as taker, cache.open_session(1, 8) as contributor:
+        await _both_wait_then_run(batcher, span, ("taker", taker), contributor)
+        assert batcher.counters.merged_steps == 2
+        priority.account("taker", 100_000)  # takers had their share: reserved from now on
+        began = trio.current_time()
+        await batcher.run(span, contributor, torch.randn(1, 1, 32), owner="C")
+        waited = trio.current_time() - began
+    if enabled:
+        assert waited < GATHER_MIN_S
+    else:
+        assert waited >= GATHER_MIN_S
+
+
+def test_metrics_show_the_rests_imposed_on_takers() -> None:
+    server = BlockServer(
+        model=MODEL, start=0, end=1, compute=ComputeQueue(), peer_id="me", addrs=list
+    )
+    server.standing.num_blocks, server.standing.qualify_s = NUM_BLOCKS, 0
+    server.standing.saw_serving("C", 10, 1.0)
+    reservation = server.batcher.reservation
+    assert reservation is not None
+    reservation.priority.account("taker", 100)
+    reservation.stepped("C", 10.0)
+    reservation.taker_turn_ran(0.25, 10.5)
+    text = render(_standing(server))
+    assert "peerd_priority_taker_rests_total 1" in text
+    assert f"peerd_priority_taker_rest_seconds_total {TAKER_REST * 0.25}" in text
