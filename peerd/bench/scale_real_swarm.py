@@ -11,6 +11,7 @@ Daemons are forks of one warm process (peerd.devtools.forkserver): ~2 s a start 
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from peerd.bench.scale_real import (
+    CLIENT_REFRESH_S,
     FIRST_ROUTE_FIGURES,
     FIRST_ROUTE_METRIC,
     FIRST_ROUTE_TIMEOUT_S,
@@ -174,14 +176,17 @@ class Client:
     def measure(
         self, truth: SwarmSnapshot, servers: dict[str, Server], notes: list[str], say: Say
     ) -> dict[str, Any]:
-        """Its first route's figures, the route it plans and that route's cost ratio."""
-        args = ("--model", str(self.model), "--metrics-port", "0")
+        """Its first route's figures, the route it plans and that route's cost ratio; what
+        failed instead, if it found no route."""
+        args = ["--model", str(self.model), "--metrics-port", "0"]
+        args += ["--refresh-period", str(CLIENT_REFRESH_S)]
         daemon = self.swarm.start(self.host.name, "none", *args, host=self.host)
         try:
             figures = self._first_route(daemon)
             if figures is None:
                 notes.append(NO_DISCOVERY_METRICS)
                 figures = {}
+            figures["load_average"] = round(os.getloadavg()[0], 2)
             hops = self._route(daemon)
             rtts = {peer: Plan.rtt(self.delay_s, s.delay_s) for peer, s in servers.items()}
             figures["route"] = list(hops)
@@ -192,6 +197,8 @@ class Client:
             )
             figures["info_rtt_over_model"] = self._info_rtts(daemon, rtts)
             figures["delay_ms"] = round(self.delay_s * 1000, 2)
+        except NoRoute as e:
+            figures = {"failed": str(e)}
         finally:
             daemon.kill()
         say(f"client {daemon.name}: {figures}")
@@ -212,9 +219,10 @@ class Client:
             ):
                 return None
             if waited > FIRST_ROUTE_TIMEOUT_S:
-                raise RuntimeError(
-                    f"client {daemon.name} found no route in {FIRST_ROUTE_TIMEOUT_S:g} s:\n"
-                    + daemon.log_path.read_text()[-3000:]
+                raise NoRoute(
+                    f"client {daemon.name} found no route in {FIRST_ROUTE_TIMEOUT_S:g} s "
+                    f"(load average {os.getloadavg()[0]:.1f}); its log ends:\n"
+                    + daemon.log_path.read_text()[-1500:]
                 )
             time.sleep(1.0)
 
@@ -233,7 +241,7 @@ class Client:
                 return hops
             except PeerdError as e:
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"client {daemon.name} opened no session: {e}") from None
+                    raise NoRoute(f"client {daemon.name} opened no session: {e}") from None
                 time.sleep(0.5)
 
     def _info_rtts(self, daemon: DaemonProcess, rtts: dict[str, float]) -> float | None:
@@ -250,6 +258,10 @@ class Client:
             if rtt > 0 and info.peer_id in rtts
         ]
         return _median(ratios)
+
+
+class NoRoute(RuntimeError):
+    """A client daemon found no route in time."""
 
 
 def _median(values: list[float]) -> float | None:
