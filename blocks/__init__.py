@@ -1,6 +1,7 @@
 """The model: families, selective weight loading, span execution with KV cache, client-side pieces
 (embeddings, final norm, LM head) and the default model."""
 
+from blocks import threads
 from blocks.cache import MemoryCache, SpanSession, check_left_padding
 from blocks.checkpoint import (
     GenerationDefaults,
@@ -57,4 +58,5 @@ __all__ = [
     "read_adapter",
     "resolve_checkpoint",
     "resolve_serving",
+    "threads",
 ]

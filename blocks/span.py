@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from blocks import threads
 from blocks.cache import KVCache, SpanSession
 from blocks.checkpoint import CheckpointTensors, load_config, model_name, resolve_checkpoint
 from blocks.families import Family, RowMasks, family_of, prepare_config
@@ -268,6 +269,7 @@ class Span(nn.Module):
         past_length: int,
         prompts: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        threads.apply(hidden.shape[0] * hidden.shape[1])  # prefill wants more cores than decode
         inputs = self.family.layer_inputs(self.config, self.rotary, hidden, past_length)
         cache = {self.family.cache_kwarg: kv}
         for index, layer in enumerate(self.layers):

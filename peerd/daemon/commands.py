@@ -48,7 +48,15 @@ REFRESH_PERIOD = typer.Option(60.0, min=0.1, help="Seconds between DHT announces
 REBALANCE_PERIOD = typer.Option(
     120.0, min=0.1, help="With --blocks auto or N: seconds between checks for a better span."
 )
-TORCH_THREADS = typer.Option(None, min=1, help="torch threads for compute.")
+TORCH_THREADS = typer.Option(
+    None, min=1, help="torch threads for compute (decode steps: passes of few tokens)."
+)
+PREFILL_THREADS = typer.Option(
+    None,
+    min=1,
+    help="torch threads for passes of 16 tokens or more (prompts); default: every core this "
+    "process may use when --torch-threads is given (docs/operations.md).",
+)
 SOCKET = typer.Option(None, help="Local API socket (default: $XDG_RUNTIME_DIR/peerd/peerd.sock).")
 LOG_LEVEL = typer.Option("info", help="debug, info, warning or error.")
 DRAIN_DEADLINE = typer.Option(
@@ -138,6 +146,7 @@ def start(
     refresh_period: float = REFRESH_PERIOD,
     rebalance_period: float = REBALANCE_PERIOD,
     torch_threads: int | None = TORCH_THREADS,
+    prefill_threads: int | None = PREFILL_THREADS,
     socket: Path | None = SOCKET,
     log_level: str = LOG_LEVEL,
     drain_deadline: float = DRAIN_DEADLINE,

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
 import trio
 
 import blocks
@@ -89,6 +88,7 @@ class DaemonConfig:
     refresh_period: float = 60.0
     rebalance_period: float = 120.0  # --blocks auto|N: how often to re-check the span
     torch_threads: int | None = None
+    prefill_threads: int | None = None  # None: every core, when torch_threads is set
     socket: Path | None = None  # None: the per-user default (peerd.paths.default_socket_path)
     drain_deadline: float = DRAIN_DEADLINE_S  # SIGTERM: how long open sessions may go on
     metrics_port: int | None = None  # serve Prometheus metrics on 127.0.0.1:PORT (0: any)
@@ -215,8 +215,7 @@ class Daemon:
 
     async def run(self) -> None:
         config = self.config
-        if config.torch_threads:
-            torch.set_num_threads(config.torch_threads)
+        blocks.threads.configure(config.torch_threads, config.prefill_threads)
         # Our records are re-provided every period; keep them a few periods, not 48 h.
         set_provider_record_ttl(3 * config.refresh_period)
         async with open_node(
