@@ -51,6 +51,11 @@ MERGE_MAX_TOKENS = 16
 GATHER_FRACTION = 0.25
 GATHER_MIN_S = 0.005
 GATHER_MAX_S = 0.1
+# While contributors have the device reserved (priority.Reservation), a contributor's step waits
+# at most this long for its partners: enough for the outputs of one merged forward, pushed one
+# after another, not for a partner that a takers' turn delays on another hop (waiting for it
+# would cost the step that turn's time on every later hop too).
+RESERVED_GATHER_S = 0.01
 # A session that stepped longer ago than this has left its cohort (it finished or stalls).
 ACTIVE_S = 1.0
 # With priority by standing, a long step runs at most this many tokens per turn: a contributor's
@@ -158,6 +163,7 @@ class StepBatcher:
         self._last_turn: dict[str, int] = {}  # owner -> round that last served it
         self._round_queued = False
         self._round_over = trio.Event()
+        self._changed = trio.Event()  # set when a step comes or a round is queued (_gather)
         self._recent: dict[int, _Recent] = {}  # id(session) -> what we know of its steps
 
     async def run(
@@ -189,6 +195,7 @@ class StepBatcher:
             self._reserving = self.reservation.active(now)
         with self._lock:
             self._waiting.append(step)
+        self._notify()
         try:
             while not step.finished:
                 if not self._round_queued and self.enabled:
@@ -199,6 +206,7 @@ class StepBatcher:
                 if await self._held_back():
                     continue
                 self._round_queued = True
+                self._notify()
                 try:
                     await self.compute.run(priority, self._round)
                 finally:
@@ -243,16 +251,36 @@ class StepBatcher:
         """Wait until every recently active session that ran in the same forward as a step
         waiting for `span` is here too, or a round is queued, or the step of `recent` waited
         its share of its period."""
+        now = trio.current_time()
         wait = min(max(GATHER_FRACTION * recent.period, GATHER_MIN_S), GATHER_MAX_S)
-        deadline = trio.current_time() + wait
-        while not self._round_queued and trio.current_time() < deadline:
-            now = trio.current_time()
+        if self._reserved_for(recent.owner, now):
+            wait = min(wait, RESERVED_GATHER_S)
+        deadline = now + wait
+        while not self._round_queued and now < deadline:
             for key, other in list(self._recent.items()):
                 if now - other.at > ACTIVE_S or other.session.closed:
                     del self._recent[key]
             if not self._partners_missing(span, now):
                 return
-            await trio.sleep(GATHER_MIN_S / 5)
+            # Until a step comes or a round is queued; a partner whose session closed or went
+            # quiet has no step to come, so look again every GATHER_MIN_S (not every 1 ms: on a
+            # loaded CPU server the event loop's polling took cycles from the forwards).
+            with trio.move_on_at(min(deadline, now + GATHER_MIN_S)):
+                await self._changed.wait()
+            now = trio.current_time()
+
+    def _notify(self) -> None:
+        """Wake the steps gathering their partners: a step came, or a round was queued."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _reserved_for(self, owner: str, now: float) -> bool:
+        """The device is reserved for contributors now, and `owner` is one."""
+        return (
+            self.reservation is not None
+            and self.reservation.active(now)
+            and self.reservation.priority.is_contributor(owner)
+        )
 
     def _partners_missing(self, span: Span, now: float) -> bool:
         """A session that ran in the same forward as a step waiting for `span` has not sent
