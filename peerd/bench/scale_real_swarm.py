@@ -77,7 +77,9 @@ def run_real(
                 started = time.monotonic()
                 servers = _start_servers(swarm, hosts, plan, spans, model, say)
                 say(f"{len(servers)} servers up in {time.monotonic() - started:.0f} s; settling")
+                idle = _cpu_seconds(swarm.daemons), time.monotonic()
                 time.sleep(settle_s)
+                notes.append(_idle_note(swarm.daemons, *idle))
                 truth = _truth(swarm.daemons, plan.num_blocks, spans, notes)
                 clients = []
                 for i, delay in enumerate(plan.client_delays_s):
@@ -159,12 +161,36 @@ def _memory_note(daemons: list[DaemonProcess]) -> str:
     """The daemons' resident memory, summed (forks share their parent's pages: an upper bound)."""
     import psutil
 
-    total = 0
+    total = alive = 0
     for daemon in daemons:
         if daemon.process is not None and daemon.alive():
             with contextlib.suppress(psutil.Error):
                 total += psutil.Process(daemon.process.pid).memory_info().rss
-    return f"{len(daemons)} daemons held {total / 2**30:.1f} GiB resident (shared pages counted)"
+                alive += 1
+    return f"{alive} server daemons held {total / 2**30:.1f} GiB resident (shared pages counted)"
+
+
+def _cpu_seconds(daemons: list[DaemonProcess]) -> float:
+    """CPU seconds (user + system, all threads) the live daemons have used."""
+    import psutil
+
+    total = 0.0
+    for daemon in daemons:
+        if daemon.process is not None and daemon.alive():
+            with contextlib.suppress(psutil.Error):
+                times = psutil.Process(daemon.process.pid).cpu_times()
+                total += times.user + times.system
+    return total
+
+
+def _idle_note(daemons: list[DaemonProcess], cpu_before: float, since: float) -> str:
+    """What the idle swarm cost while it settled: the cores its daemons kept busy."""
+    cores = (_cpu_seconds(daemons) - cpu_before) / (time.monotonic() - since)
+    return (
+        f"while settling, the {len(daemons)} idle servers kept {cores:.2f} cores busy "
+        f"({100 * cores / len(daemons):.1f}% of a core each; load average "
+        f"{os.getloadavg()[0]:.1f})"
+    )
 
 
 class Client:
@@ -180,13 +206,14 @@ class Client:
         failed instead, if it found no route."""
         args = ["--model", str(self.model), "--metrics-port", "0"]
         args += ["--refresh-period", str(CLIENT_REFRESH_S)]
+        idle_load = round(os.getloadavg()[0], 2)  # the swarm's own, before the client starts
         daemon = self.swarm.start(self.host.name, "none", *args, host=self.host)
         try:
             figures = self._first_route(daemon)
             if figures is None:
                 notes.append(NO_DISCOVERY_METRICS)
                 figures = {}
-            figures["load_average"] = round(os.getloadavg()[0], 2)
+            figures["load_average"] = (idle_load, round(os.getloadavg()[0], 2))
             hops = self._route(daemon)
             rtts = {peer: Plan.rtt(self.delay_s, s.delay_s) for peer, s in servers.items()}
             figures["route"] = list(hops)
