@@ -14,6 +14,7 @@ from peerd.bench.scale_real import (
     Plan,
     compare,
     draw_plan,
+    format_report,
     metric,
     parse_route,
     run_simulated,
@@ -81,6 +82,11 @@ def test_figures_agree_within_a_quarter_and_not_beyond() -> None:
     assert figures["messages_per_lookup"]["agree"] is False  # 7.6 / 6 = 1.27
     assert result["agree"] is False
     assert compare(real | {"messages_per_lookup": 7.0}, sim)["agree"] is True
+    report = {"servers": 24, "clients": 5, "blocks": 24, "median_rtt_s": 0.05, "wall_s": 300.0}
+    text = format_report(report | {"comparison": result, "notes": ["a note"]})
+    assert "messages_per_lookup: real 6.0, sim 7.6, sim/real 1.267 (DIFFER)" in text
+    assert "first_route_s: real 0.4, sim 0.3, sim/real 0.75 (agree)" in text
+    assert "note: a note" in text and text.endswith("within 25% on every figure: NO")
     # A figure the real swarm did not measure is not an agreement.
     missing = compare(real | {"first_route_s": {}}, sim)["figures"]["first_route_s"]
     assert missing["agree"] is False and missing["sim_over_real"] is None
