@@ -19,8 +19,10 @@ import blocks
 from blocks import MemoryCache, SpanSession
 from peerd.daemon.metrics import _standing, render
 from peerd.server.batching import (
+    GATHER_MAX_S,
     GATHER_MIN_S,
     PRIORITY_TURN_TOKENS,
+    RESERVED_GATHER_S,
     RESERVED_TURN_TOKENS,
     StepBatcher,
 )
@@ -340,6 +342,31 @@ async def test_while_reserved_a_contributors_step_waits_for_no_takers_partner(
         assert waited < GATHER_MIN_S
     else:
         assert waited >= GATHER_MIN_S
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["standing", "fifo"])
+async def test_while_reserved_a_contributors_step_waits_little_for_its_own_partner(
+    span: blocks.Span, autojump_clock: trio.testing.MockClock, enabled: bool
+) -> None:
+    """Two sessions of the contributor ran in one forward; the next step of one comes 0.4 s
+    later, its partner's never does. It waits a quarter of its period (GATHER_MAX_S at most) on
+    a free device for it, but while reserved only RESERVED_GATHER_S: a partner a takers' turn
+    delayed on another hop would cost it that turn on every later hop too."""
+    cache = MemoryCache(budget_tokens=10_000)
+    priority = _priority(enabled=enabled)
+    priority.account("someone", 1000)  # takers had their share lately
+    batcher = StepBatcher(ComputeQueue(), priority=priority)
+    with cache.open_session(1, 8) as first, cache.open_session(1, 8) as second:
+        await _both_wait_then_run(batcher, span, ("C", first), second)
+        assert batcher.counters.merged_steps == 2
+        await trio.sleep(0.4)
+        began = trio.current_time()
+        await batcher.run(span, first, torch.randn(1, 1, 32), owner="C")
+        waited = trio.current_time() - began
+    if enabled:
+        assert waited == pytest.approx(RESERVED_GATHER_S)
+    else:
+        assert waited == pytest.approx(GATHER_MAX_S)
 
 
 def test_metrics_show_the_rests_imposed_on_takers() -> None:

@@ -16,7 +16,8 @@ chunks: short turns cost a lone prompt about a third more time to its first toke
 contributor is active here, turns of takers' work alone are held back (priority.Reservation): each
 rests in proportion to its run time before the next may start, and their long steps run
 RESERVED_TURN_TOKENS per turn, so a contributor's step finds the device free most of the time and
-waits little when it does not.
+waits little when it does not; its round then takes only contributors' steps, and it waits for
+its partners only RESERVED_GATHER_S, and only for contributors' sessions.
 """
 
 from __future__ import annotations

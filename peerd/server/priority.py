@@ -19,8 +19,10 @@ after a turn that ran only takers' work for S seconds, the next such turn waits 
 Takers then have at most 1 / (1 + TAKER_REST) of the device (a third), a contributor's step
 arriving at a random moment finds a takers' turn under way that often and waits half of one on
 average, and every server of the route leaves the cores free two thirds of the time. Takers'
-turns run in smaller pieces meanwhile (peerd.server.batching.RESERVED_TURN_TOKENS). The rest
-never takes the takers' guarantee: while their recent share of the work is under `taker_share`
+turns run in smaller pieces meanwhile, and contributors' rounds take only contributors' steps
+(peerd.server.batching: RESERVED_TURN_TOKENS, RESERVED_GATHER_S). What it gained and cost on
+a loaded local swarm is in docs/swarm.md (Standing, Measured). The rest never takes the takers'
+guarantee: while their recent share of the work is under `taker_share`
 they are not held back at all; and it costs nothing when no contributor is about (the takers then
 have the whole device, as before).
 
