@@ -63,11 +63,11 @@ ACTIVE_S = 1.0
 # step cannot preempt the turn under way, so it waits for that turn on every hop, and a whole
 # prefill chunk (Span.chunk_tokens) takes several decode steps' time.
 PRIORITY_TURN_TOKENS = 64
-# While a contributor is active (priority.Reservation), shorter still: a turn of 32 tokens through
-# 10 blocks of the default model takes ~47 ms on one CPU core against ~76 ms for 64 (a decode step
-# ~16 ms), so a contributor's step that finds one under way waits ~25 ms for it on average
-# instead of ~40, for ~20% less takers' throughput per turn of the device.
-RESERVED_TURN_TOKENS = 32
+# While a contributor is active (priority.Reservation), shorter still: a turn of 16 tokens through
+# 10 blocks of the default model takes ~30 ms on one CPU core (32 tokens ~47 ms, 64 ~76 ms; a
+# decode step ~16 ms), so a contributor's step that finds one under way waits ~15 ms for it on
+# average, for less takers' throughput per turn of the device (takers rest meanwhile anyway).
+RESERVED_TURN_TOKENS = 16
 
 
 @dataclass

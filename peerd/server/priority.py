@@ -16,9 +16,9 @@ other servers (the next hops of its route, often) their takers' turns take the c
 needs. So while a contributor stepped here in the last CONTRIBUTOR_ACTIVE_S, takers' turns are
 held back (`Reservation`), as peerd.server.compute holds training back while inference is active:
 after a turn that ran only takers' work for S seconds, the next such turn waits TAKER_REST * S.
-Takers then have at most 1 / (1 + TAKER_REST) of the device (a third), a contributor's step
+Takers then have at most 1 / (1 + TAKER_REST) of the device (their 20%), a contributor's step
 arriving at a random moment finds a takers' turn under way that often and waits half of one on
-average, and every server of the route leaves the cores free two thirds of the time. Takers'
+average, and every server of the route leaves the cores free four fifths of the time. Takers'
 turns run in smaller pieces meanwhile, and contributors' rounds take only contributors' steps
 (peerd.server.batching: RESERVED_TURN_TOKENS, RESERVED_GATHER_S). What it gained and cost on
 a loaded local swarm is in docs/swarm.md (Standing, Measured). The rest never takes the takers'
@@ -54,9 +54,12 @@ HALF_LIFE_S = 30.0
 # takers' rests soon after it stops.
 CONTRIBUTOR_ACTIVE_S = 2.0
 # Meanwhile a turn of takers' work alone that ran S seconds is followed by TAKER_REST * S in which
-# no other such turn starts: takers keep a third of the device, and a contributor's step arriving
-# at a random moment waits on average a third of half a turn for the one under way.
-TAKER_REST = 2.0
+# no other such turn starts: takers keep their guaranteed share of the device's time and no more
+# (a fifth: 1 / (1 + TAKER_REST) = TAKER_SHARE), and a contributor's step arriving at a random
+# moment finds a takers' turn under way a fifth of the time. Measured on the fairness bench (3
+# servers and the clients on 2 cores): with a rest of 2 S (a third) contributors' tokens took
+# 2.2-3.8x their unloaded time; with 4 S, 1.5-2.2x.
+TAKER_REST = 4.0  # (1 - TAKER_SHARE) / TAKER_SHARE
 
 CONTRIBUTOR, TAKER = "contributor", "taker"
 
