@@ -231,13 +231,9 @@ def scrape_in(netns: str, port: int, timeout: float = 30.0) -> dict[str, float]:
         "timeout=float(sys.argv[2])).read().decode())"
     )
     url = f"http://127.0.0.1:{port}/metrics"
-    text = python_in(netns, fetch, url, str(timeout), timeout=timeout + 10)
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            values[key] = float(value)
-    return values
+    from peerd.devtools.localswarm import parse_metrics
+
+    return parse_metrics(python_in(netns, fetch, url, str(timeout), timeout=timeout + 10))
 
 
 def tcp_rtts(netns: str, addresses: Sequence[tuple[str, int]]) -> list[float]:

@@ -124,7 +124,11 @@ def scrape_metrics(port: int, timeout: float = 30.0) -> dict[str, float]:
     """One scrape of a daemon's /metrics: `name{labels}` -> value."""
     url = f"http://127.0.0.1:{port}/metrics"
     with urllib.request.urlopen(url, timeout=timeout) as reply:
-        text = reply.read().decode()
+        return parse_metrics(reply.read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text exposition as `name{labels}` -> value."""
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
