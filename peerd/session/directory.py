@@ -39,6 +39,7 @@ from typing import Any
 
 import trio
 from libp2p.custom_types import TProtocol
+from libp2p.kad_dht.kad_dht import DHTMode
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
 
@@ -195,12 +196,8 @@ class Directory:
     """Publishes this daemon's record and reads its model's shards (module docstring)."""
 
     def __init__(self, node: Node, model: str, num_blocks: int, swarm_name: str = "") -> None:
-        self.node, self.model, self.num_blocks, self.swarm_name = (
-            node,
-            model,
-            num_blocks,
-            swarm_name,
-        )
+        self.node, self.model, self.num_blocks = node, model, num_blocks
+        self.swarm_name = swarm_name
         self.stats = DiscoveryStats()
         self.rng = random.Random()
         self.board: RecordBoard | None = None  # our own, when we hold records for others
@@ -225,7 +222,8 @@ class Directory:
         )
 
     async def holders(self, key: bytes, count: int) -> list[ID]:
-        """The `count` peers closest to `key` that Kademlia finds, ourselves included."""
+        """The `count` peers closest to `key` that Kademlia finds, ourselves included while we
+        are a DHT server (a node behind NAT, a DHT client, is nobody's holder)."""
         count_lookup_queries(self.node)
         box = [0]
         token = _counting.set(box)
@@ -239,7 +237,8 @@ class Directory:
             _counting.reset(token)
             self.stats.lookups += 1
             self.stats.lookup_messages += box[0]
-        peers = list(dict.fromkeys([*found, self.node.peer_id]))
+        ours = [self.node.peer_id] if self.node.dht.mode == DHTMode.SERVER else []
+        peers = list(dict.fromkeys([*found, *ours]))
         return sort_peer_ids_by_distance(key, peers)[:count]
 
     async def _ask(self, peer: ID, request: wire.RecordsRequest) -> wire.RecordsReply | None:
