@@ -68,8 +68,10 @@ REPLICAS = 3
 READ_HOLDERS = 2
 # Shards of the model a client reads at most (the first, then more while a block has no server).
 MAX_SHARD_READS = 4
-LOOKUP_TIMEOUT_S = 5.0
+LOOKUP_TIMEOUT_S = 3.0
 REQUEST_TIMEOUT_S = 3.0
+# What a refresh spends on the directory at most, look-ups and reads together.
+READ_BUDGET_S = 4.0
 # Shard keys one daemon holds records for: any peer may name any key, so it is bounded (the
 # least recently used key goes); 256 records of <= 2 KB each per key.
 MAX_KEYS = 64
@@ -322,19 +324,22 @@ class Directory:
 
     async def read(self, estimated_servers: int) -> Believed:
         """Our model's servers as the directory lists them: one shard, then others (and other
-        shard levels) while a block has no server in what was read; forged records refused."""
+        shard levels) while a block has no server in what was read; forged records refused.
+        Within READ_BUDGET_S, and no further once a read finds nothing at all (a directory
+        nobody publishes in yet: provider keys find the servers), so a refresh waits on it
+        seconds at most."""
         shards = shard_count(estimated_servers)
         order = self.rng.sample(range(shards), min(shards, MAX_SHARD_READS))
         reads = [(i, shards) for i in order]
         reads += [(self.rng.randrange(n), n) for n in shard_levels(shards) if n != shards]
         fetched: list[SignedRecord] = []
-        believed = self._believe(fetched)
-        for shard, count in reads[:MAX_SHARD_READS]:
-            fetched += await self.read_shard(shard, count)
-            believed = self._believe(fetched)
-            if not believed.snapshot.uncovered_blocks():
-                break
-        return believed
+        with trio.move_on_after(READ_BUDGET_S):
+            for shard, count in reads[:MAX_SHARD_READS]:
+                more = await self.read_shard(shard, count)
+                fetched += more
+                if not more or not self._believe(fetched).snapshot.uncovered_blocks():
+                    break
+        return self._believe(fetched)
 
     def _believe(self, fetched: list[SignedRecord]) -> Believed:
         return believe(
