@@ -38,17 +38,10 @@ from peerd.server.priority import (
 )
 from peerd.server.standing import Standing
 from tests.test_routing_fixtures import MODEL
+from tests.test_standing import Clock
 from tests.tiny_models import save_tiny
 
 NUM_BLOCKS = 30
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _priority(clock: Clock | None = None, enabled: bool = True) -> Priority:
