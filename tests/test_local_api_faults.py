@@ -17,8 +17,8 @@ import torch
 import trio
 import trio.testing
 
-import blocks
 import wire
+from peerd.bench.scale_real import build_tiny_model
 from peerd.daemon.local_api import LocalApi
 from peerd.devtools.localswarm import LocalSwarm
 from peerd.session.inference import InferenceFailed
@@ -215,28 +215,6 @@ async def test_expected_failures_keep_their_own_codes(tmp_path: Path) -> None:
 # --- against a real daemon ---------------------------------------------------------------------
 
 
-def _checkpoint_without_chat_template(directory: Path) -> Path:
-    """A tiny random llama with the default model's tokenizer, its chat template removed."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
-
-    tokenizer = AutoTokenizer.from_pretrained(blocks.resolve_checkpoint("default"))
-    tokenizer.chat_template = None
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
 def _exchange(path: Path, *requests: wire.Message) -> list[wire.Message]:
     """On a fresh connection: send `requests`, read until each has its final reply."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -258,7 +236,7 @@ def _exchange(path: Path, *requests: wire.Message) -> list[wire.Message]:
 def test_a_real_daemon_answers_a_failing_chat_request_with_internal_and_serves_on(
     tmp_path: Path,
 ) -> None:
-    model = _checkpoint_without_chat_template(tmp_path / "no-template")
+    model = build_tiny_model(tmp_path / "no-template", 2, chat_template=False)
     swarm = LocalSwarm(workdir=tmp_path)
     try:
         daemon = swarm.start("solo", "0:2", "--model", str(model))

@@ -176,15 +176,18 @@ def compare(real: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
     return {"figures": figures, "agree": all(f["agree"] for f in figures.values())}
 
 
-def build_tiny_model(directory: Path, num_blocks: int) -> Path:
+def build_tiny_model(directory: Path, num_blocks: int, *, chat_template: bool = True) -> Path:
     """A tiny random llama of `num_blocks` blocks with the default model's tokenizer (so the
-    daemons load it as any checkpoint), saved to `directory`."""
+    daemons load it as any checkpoint), saved to `directory`; `chat_template` False: the
+    tokenizer's chat template removed."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     import blocks
 
     tokenizer = AutoTokenizer.from_pretrained(blocks.resolve_checkpoint("default"))
+    if not chat_template:
+        tokenizer.chat_template = None
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=32,
