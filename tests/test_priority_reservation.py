@@ -380,3 +380,32 @@ def test_metrics_show_the_rests_imposed_on_takers() -> None:
     text = render(_standing(server))
     assert "peerd_priority_taker_rests_total 1" in text
     assert f"peerd_priority_taker_rest_seconds_total {TAKER_REST * 0.25:g}" in text
+
+
+async def test_each_class_s_steps_are_timed_in_wait_and_forward(
+    span: blocks.Span, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A contributor's decode step (one turn) and a taker's prefill (five turns of
+    RESERVED_TURN_TOKENS, each 0.05 s on the turn timer): each class's step counted once, its
+    forward time the sum of its turns, and the metrics say so per class and part."""
+    server = BlockServer(
+        model=MODEL, start=0, end=1, compute=ComputeQueue(), peer_id="me", addrs=list
+    )
+    server.standing.num_blocks, server.standing.qualify_s = NUM_BLOCKS, 0
+    server.standing.saw_serving("C", 10, 1.0)
+    assert server.batcher.priority is not None
+    server.batcher.priority.account("someone", 1000)  # takers had their share lately
+    batcher = StepBatcher(ComputeQueue(), priority=server.batcher.priority, timer=_Ticks(0.05))
+    server.batcher = batcher
+    cache = MemoryCache(budget_tokens=10_000)
+    with cache.open_session(1, 256) as session, cache.open_session(1, 8) as other:
+        await batcher.run(span, other, torch.randn(1, 1, 32), owner="C")
+        await batcher.run(span, session, torch.randn(1, 5 * RESERVED_TURN_TOKENS, 32), "taker")
+    contributor, taker = batcher.times["contributor"], batcher.times["taker"]
+    assert (contributor.steps, taker.steps) == (1, 1)
+    assert contributor.forward_s == pytest.approx(0.05)
+    assert taker.forward_s == pytest.approx(5 * 0.05)
+    assert contributor.wait_s >= 0 and taker.wait_s >= 0
+    text = render(_standing(server))
+    assert 'peerd_timed_steps_total{class="taker"} 1' in text
+    assert f'peerd_step_seconds_total{{class="taker",part="forward"}} {5 * 0.05:g}' in text

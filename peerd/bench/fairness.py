@@ -14,6 +14,8 @@ servers' work (tokens run through their blocks, from their metrics) each class g
 The whole thing runs once with `--priority standing` and once with `--priority fifo` on fresh
 swarms, same run. The clients' own work (embedding, LM head, sampling of 10 sessions) runs on the
 same cores as the daemons: the latencies are of one loaded machine, compare them side by side.
+Hop by hop, from the servers' step-time metrics: how long a step of each class waited on each
+server and ran in its forwards, unloaded and loaded (where a token's time goes).
 """
 
 from __future__ import annotations
@@ -63,13 +65,45 @@ async def _work(ports: list[int]) -> dict[str, float]:
     return out
 
 
+async def _step_times(ports: list[int]) -> list[dict[str, float]]:
+    """Per server, the step-time counters (peerd_step_seconds_total, peerd_timed_steps_total)."""
+    out = []
+    for port in ports:
+        values = await trio.to_thread.run_sync(scrape_metrics, port)
+        out.append(
+            {k: v for k, v in values.items() if k.startswith(("peerd_step_", "peerd_timed"))}
+        )
+    return out
+
+
+def _hops(before: list[dict[str, float]], after: list[dict[str, float]], kind: str) -> list:
+    """Per server (hop), the mean wait and forward of `kind`'s steps between two scrapes, in ms."""
+    hops = []
+    label = f'class="{kind}"'
+    for b, a in zip(before, after, strict=True):
+        delta = {key: a.get(key, 0.0) - b.get(key, 0.0) for key in a}
+        steps = delta.get(f"peerd_timed_steps_total{{{label}}}", 0.0)
+        wait = delta.get(f'peerd_step_seconds_total{{{label},part="wait"}}', 0.0)
+        forward = delta.get(f'peerd_step_seconds_total{{{label},part="forward"}}', 0.0)
+        per = 1000 / steps if steps else math.nan
+        hops.append(
+            {
+                "steps": int(steps),
+                "wait_ms": round(wait * per, 1),
+                "forward_ms": round(forward * per, 1),
+            }
+        )
+    return hops
+
+
 async def _wait_for_standing(ports: list[int]) -> float:
-    """Seconds until every server counts a contributor."""
+    """Seconds until every server counts the contributor: each counts the other servers too
+    (they serve blocks of the model), so len(ports) contributors in all."""
     began = time.monotonic()
     with trio.fail_after(STANDING_WAIT_S):
         while True:
             scrapes = [await trio.to_thread.run_sync(scrape_metrics, port) for port in ports]
-            if all(s.get("peerd_contributors", 0) >= 1 for s in scrapes):
+            if all(s.get("peerd_contributors", 0) >= len(ports) for s in scrapes):
                 return time.monotonic() - began
             await trio.sleep(2)
 
@@ -158,6 +192,7 @@ async def _loaded(
                     _taker, Generator(client, view), view, ids, taker_gaps, args["errors"]
                 )
         await trio.sleep(args["ramp_s"])  # every taker session busy
+        times = await _step_times(ports)
         before, began = await _work(ports), time.perf_counter()
         loaded = await _contributor(
             contributor, args["contributor_sessions"], args["new_tokens"], args["reps"]
@@ -166,6 +201,9 @@ async def _loaded(
             while sum(at >= began for at, _ in taker_gaps) < MIN_TAKER_TOKENS:
                 await trio.sleep(0.5)
         after, ended = await _work(ports), time.perf_counter()
+        args["hops_loaded"] = {
+            kind: _hops(times, await _step_times(ports), kind) for kind in ("contributor", "taker")
+        }
         nursery.cancel_scope.cancel()
     theirs = [gap for at, gap in taker_gaps if began <= at <= ended]
     return loaded, theirs, {kind: after[kind] - before[kind] for kind in after}
@@ -176,7 +214,9 @@ async def _measure(swarm: LocalSwarm, contributor: DaemonProcess, args: dict) ->
     waited = await _wait_for_standing(ports)
     sessions = args["contributor_sessions"]
     await _contributor(contributor, sessions, 4, 1)  # warm-up
+    times = await _step_times(ports)
     unloaded = await _contributor(contributor, sessions, args["new_tokens"], args["reps"])
+    hops_unloaded = _hops(times, await _step_times(ports), "contributor")
     loaded, taker_gaps, work = await _loaded(swarm, contributor, ports, args)
     # Unloaded again after the load: the machine's other work drifts; count both.
     unloaded += await _contributor(contributor, sessions, args["new_tokens"], args["reps"])
@@ -194,6 +234,11 @@ async def _measure(swarm: LocalSwarm, contributor: DaemonProcess, args: dict) ->
         "contributor_work_share": round(work["contributor"] / total, 3),
         "taker_work_share": round(work["taker"] / total, 3),
         "standing_after_s": round(waited, 1),
+        # Hop by hop (servers 0:10, 10:20, 20:30), the mean time a step spent waiting on the
+        # server's batcher and in its forwards: what of a token's gap the servers account for.
+        "contributor_hops_unloaded": hops_unloaded,
+        "contributor_hops_loaded": args["hops_loaded"]["contributor"],
+        "taker_hops_loaded": args["hops_loaded"]["taker"],
         "tokens": {"contributor": len(loaded), "taker": len(taker_gaps)},
         "taker_errors": len(args["errors"]),
         "first_taker_errors": sorted(set(args["errors"]))[:3],

@@ -182,7 +182,24 @@ def _standing(server: BlockServer | None) -> list[Metric]:
     contributors = Metric(
         "peerd_contributors", "gauge", "Peers with a standing above zero on this server."
     ).add(len(server.standing.standings()))
-    return [work, share, contributors, *_reservation(server)]
+    return [work, share, contributors, *_reservation(server), *_step_times(server)]
+
+
+def _step_times(server: BlockServer) -> list[Metric]:
+    """Where steps spent their time here, by class: a token's latency, hop by hop."""
+    seconds = Metric(
+        "peerd_step_seconds_total",
+        "counter",
+        "Time the finished inference steps spent on this server's batcher by class; "
+        "part=forward: in the forwards that ran them, part=wait: the rest (queue, partners, "
+        "rests).",
+    )
+    steps = Metric("peerd_timed_steps_total", "counter", "The steps those seconds are of.")
+    for kind, times in server.batcher.times.items():
+        seconds.add(times.wait_s, part="wait", **{"class": kind})
+        seconds.add(times.forward_s, part="forward", **{"class": kind})
+        steps.add(times.steps, **{"class": kind})
+    return [seconds, steps]
 
 
 def _reservation(server: BlockServer) -> list[Metric]:

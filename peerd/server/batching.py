@@ -33,7 +33,7 @@ import trio
 
 from blocks import Span, SpanSession
 from peerd.server.compute import PRIORITY_INFERENCE, ComputeQueue
-from peerd.server.priority import Priority, Reservation
+from peerd.server.priority import CONTRIBUTOR, TAKER, Priority, Reservation
 
 # Most rows one merged forward takes; the rest wait for the next round (keeps a round short).
 MAX_BATCH_ROWS = 32
@@ -96,6 +96,7 @@ class _Step:
     finished: bool = False
     abandoned: bool = False  # its caller went away (cancelled)
     shared: bool = False  # other peers stepped lately: a long step runs in short turns
+    forward_s: float = 0.0  # time in the forwards (rounds) that ran it
 
     @property
     def left(self) -> int:
@@ -131,6 +132,22 @@ class BatchCounters:
     merged_steps: int = 0  # steps that ran in a forward with others
 
 
+@dataclass
+class StepTimes:
+    """Where the finished steps of one class (contributor or taker) spent their time here:
+    `forward_s` in the rounds that ran them, `wait_s` the rest of the time from their arrival at
+    the batcher to their result (waiting for a turn, for partners, for a takers' rest to end)."""
+
+    steps: int = 0
+    wait_s: float = 0.0
+    forward_s: float = 0.0
+
+    def add(self, served_s: float, forward_s: float) -> None:
+        self.steps += 1
+        self.forward_s += forward_s
+        self.wait_s += max(0.0, served_s - forward_s)
+
+
 class StepBatcher:
     """Runs inference steps on `compute`, merging concurrent ones (`enabled=False`: one step per
     forward, in the same fair order, as a baseline)."""
@@ -157,6 +174,7 @@ class StepBatcher:
         self._taker_turn_s: float | None = None  # the last round ran takers' work alone this long
         self.max_rows = max_rows
         self.counters = BatchCounters()
+        self.times = {CONTRIBUTOR: StepTimes(), TAKER: StepTimes()}  # by class
         self._waiting: list[_Step] = []
         self._lock = threading.Lock()  # _waiting is read by rounds in the worker thread
         self._order = itertools.count()
@@ -179,6 +197,7 @@ class StepBatcher:
         """span(hidden, session, adapter), run in some round on the compute queue; the same
         result (up to float rounding) and the same errors as running it alone."""
         step = _Step(span, session, hidden, owner, next(self._order), session.position, adapter)
+        arrived = self._timer()
         now = trio.current_time()
         recent = self._recent.get(id(session))
         if recent is None or recent.session is not session:
@@ -223,6 +242,10 @@ class StepBatcher:
                     step.undo()
         if step.error is not None:
             raise step.error
+        contributor = self.priority is not None and self.priority.is_contributor(owner)
+        self.times[CONTRIBUTOR if contributor else TAKER].add(
+            self._timer() - arrived, step.forward_s
+        )
         return step.outputs[0] if len(step.outputs) == 1 else torch.cat(step.outputs, dim=1)
 
     async def _held_back(self) -> bool:
@@ -314,10 +337,13 @@ class StepBatcher:
             self._run_chunk(head)
         else:
             self._run_merged(batch)
+        ran_s = self._timer() - began
+        for step in batch:
+            step.forward_s += ran_s
         if self.priority is not None and not any(
             self.priority.is_contributor(step.owner) for step in batch
         ):
-            self._taker_turn_s = self._timer() - began
+            self._taker_turn_s = ran_s
         with self._lock:
             for step in batch:
                 if step.abandoned:
