@@ -35,10 +35,13 @@ def daemons_from_a_fork_server() -> Iterator[None]:
     localswarm.use_fork_server(False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def swarm() -> Iterator[LocalSwarm]:
     """Daemons a, b, c serving 0:10, 10:20, 20:30. Tests must not stop or restart them (a test
-    that needs to kill servers starts its own LocalSwarm)."""
+    that needs to kill servers starts its own LocalSwarm). One swarm per module, not per
+    session: the modules that use it lie far apart in the run, and three idle daemons refreshing
+    every 2 s take half a core of CI's two from every test in between (a fresh swarm costs ~6 s
+    to start)."""
     yield from three_servers_of_ten()
 
 

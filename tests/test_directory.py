@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
+from libp2p.kad_dht.kad_dht import DHTMode
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
@@ -19,7 +21,13 @@ import wire
 from peerd.devtools.localswarm import LocalSwarm, scrape_metrics
 from peerd.node.p2p import Node, open_node
 from peerd.node.streams import MessageStream
-from peerd.session.directory import MAX_KEYS, RECORDS_PROTOCOL, Directory, RecordBoard
+from peerd.session.directory import (
+    HOLDERS_FRESH_PERIODS,
+    MAX_KEYS,
+    RECORDS_PROTOCOL,
+    Directory,
+    RecordBoard,
+)
 from routing.discovery import SignedRecord, authentic, shard_of, sign_record
 from routing.records import ServerRecord
 from tests.memnet import stream_pair
@@ -200,3 +208,36 @@ def test_daemons_find_each_other_through_signed_records() -> None:
         assert sum(scrape_metrics(p)["peerd_records_refused_total"] for p in ports) == 0
     finally:
         swarm.stop()
+
+
+async def test_a_look_up_s_holders_serve_until_they_age_or_one_fails(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Holders found for a key are used again (a publish, then a read of the same key) for
+    HOLDERS_FRESH_PERIODS refresh periods; a failed request to one of them, or their age, sends
+    the next use to the DHT again; a look-up that found nobody is not kept."""
+    me, other = (ID.from_base58(peer_of(create_new_key_pair())) for _ in range(2))
+    node: Any = type("N", (), {"peer_id": me, "dht": type("D", (), {"mode": DHTMode.SERVER})})
+    directory = Directory(node, MODEL, 30, refresh_period=2.0)
+    found = [[other, me]]
+    lookups: list[bytes] = []
+
+    async def look_up(key: bytes, count: int) -> list[ID]:
+        lookups.append(key)
+        return found[0]
+
+    directory._look_up = look_up  # type: ignore[method-assign]
+    key = b"k" * 32
+    assert await directory.holders(key, 3) == [other, me]
+    assert await directory.holders(key, 3) == [other, me] and len(lookups) == 1
+    directory._failed(other)
+    await directory.holders(key, 3)
+    assert len(lookups) == 2
+    await trio.sleep(HOLDERS_FRESH_PERIODS * 2.0 + 0.1)
+    await directory.holders(key, 3)
+    assert len(lookups) == 3
+    found[0] = [me]  # nobody else answered: ask the DHT again next time
+    await trio.sleep(HOLDERS_FRESH_PERIODS * 2.0 + 0.1)
+    await directory.holders(key, 3)
+    await directory.holders(key, 3)
+    assert len(lookups) == 5

@@ -69,6 +69,11 @@ READ_HOLDERS = 2
 # Shards of the model a client reads at most (the first, then more while a block has no server).
 MAX_SHARD_READS = 4
 LOOKUP_TIMEOUT_S = 3.0
+# A shard key's holders found by a look-up are used again for this many refresh periods (a
+# publish and a read of the same key, the next periods' publishes) unless a request to one of
+# them fails: holders change only as peers join and leave, and every look-up costs a round of DHT
+# requests on each node it asks (in a small swarm, a third of an idle daemon's work).
+HOLDERS_FRESH_PERIODS = 2
 REQUEST_TIMEOUT_S = 3.0
 # What a refresh spends on the directory at most, look-ups and reads together.
 READ_BUDGET_S = 4.0
@@ -197,9 +202,19 @@ def count_lookup_queries(node: Node) -> None:
 class Directory:
     """Publishes this daemon's record and reads its model's shards (module docstring)."""
 
-    def __init__(self, node: Node, model: str, num_blocks: int, swarm_name: str = "") -> None:
+    def __init__(
+        self,
+        node: Node,
+        model: str,
+        num_blocks: int,
+        swarm_name: str = "",
+        refresh_period: float = 0.0,
+    ) -> None:
         self.node, self.model, self.num_blocks = node, model, num_blocks
         self.swarm_name = swarm_name
+        self.holders_fresh_s = HOLDERS_FRESH_PERIODS * refresh_period  # 0: look up every time
+        # (key, count, our DHT mode) -> (fresh until, holders)
+        self._holders: dict[tuple[bytes, int, DHTMode], tuple[float, list[ID]]] = {}
         self.stats = DiscoveryStats()
         self.rng = random.Random()
         self.board: RecordBoard | None = None  # our own, when we hold records for others
@@ -225,7 +240,27 @@ class Directory:
 
     async def holders(self, key: bytes, count: int) -> list[ID]:
         """The `count` peers closest to `key` that Kademlia finds, ourselves included while we
-        are a DHT server (a node behind NAT, a DHT client, is nobody's holder)."""
+        are a DHT server (a node behind NAT, a DHT client, is nobody's holder); those of a
+        look-up at most HOLDERS_FRESH_PERIODS refresh periods old, unless one failed since."""
+        now = trio.current_time()
+        entry = (key, count, self.node.dht.mode)  # a DHT client is nobody's holder
+        cached = self._holders.get(entry)
+        if cached is not None and now < cached[0]:
+            return list(cached[1])
+        found = await self._look_up(key, count)
+        if any(peer != self.node.peer_id for peer in found):  # none: try again next time
+            if len(self._holders) >= MAX_KEYS:
+                self._holders.clear()
+            self._holders[entry] = (now + self.holders_fresh_s, found)
+        return found
+
+    def _failed(self, peer: ID) -> None:
+        """A request to `peer` failed: look its keys' holders up afresh next time."""
+        for key, (_, peers) in list(self._holders.items()):
+            if peer in peers:
+                del self._holders[key]
+
+    async def _look_up(self, key: bytes, count: int) -> list[ID]:
         count_lookup_queries(self.node)
         box = [0]
         token = _counting.set(box)
@@ -255,6 +290,7 @@ class Directory:
                     await stream.close()
         except (*PEER_FAULTS, *DIAL_FAULTS) as e:
             log.debug("records request to %s failed: %s", peer, e)
+            self._failed(peer)
             return None
         if isinstance(reply, wire.Error):
             log.info("peer %s refused a records request: %s", peer, reply.message)

@@ -116,7 +116,7 @@ class SwarmView:
         self.on_record: Callable[[ServerRecord], None] = lambda record: None
         # Signed records in the DHT (peerd.session.directory): published by announce, read
         # first by find_candidates; provider keys find the servers it does not list.
-        self.directory = Directory(node, model, num_blocks, swarm_name)
+        self.directory = Directory(node, model, num_blocks, swarm_name, refresh_period)
 
     # --- announcing ---------------------------------------------------------------------------
 
