@@ -242,11 +242,14 @@ class StepBatcher:
                     step.undo()
         if step.error is not None:
             raise step.error
-        contributor = self.priority is not None and self.priority.is_contributor(owner)
-        self.times[CONTRIBUTOR if contributor else TAKER].add(
-            self._timer() - arrived, step.forward_s
-        )
+        self._time(step, arrived)
         return step.outputs[0] if len(step.outputs) == 1 else torch.cat(step.outputs, dim=1)
+
+    def _time(self, step: _Step, arrived: float) -> None:
+        """Count a finished step's time here under its owner's class."""
+        contributor = self.priority is not None and self.priority.is_contributor(step.owner)
+        times = self.times[CONTRIBUTOR if contributor else TAKER]
+        times.add(self._timer() - arrived, step.forward_s)
 
     async def _held_back(self) -> bool:
         """Wait out the takers' rest when the next round would run takers' work alone (no
