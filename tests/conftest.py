@@ -1,6 +1,7 @@
 """Fixtures shared by the multi-process tests: one three-daemon swarm of the default model for
-the whole session (starting one costs ~15 s of a 2-core CI machine), and the whole model loaded
-by plain transformers as the reference every distributed result must equal."""
+the modules that use it, which run first (starting one costs ~15 s of a 2-core CI machine), and
+the whole model loaded by plain transformers as the reference every distributed result must
+equal."""
 
 from __future__ import annotations
 
@@ -35,14 +36,55 @@ def daemons_from_a_fork_server() -> Iterator[None]:
     localswarm.use_fork_server(False)
 
 
-@pytest.fixture(scope="module")
+# The shared swarm while it runs (the `swarm` fixture), for pytest_runtest_teardown to stop.
+_shared: list[LocalSwarm] = []
+
+
+@pytest.fixture(scope="session")
 def swarm() -> Iterator[LocalSwarm]:
     """Daemons a, b, c serving 0:10, 10:20, 20:30. Tests must not stop or restart them (a test
-    that needs to kill servers starts its own LocalSwarm). One swarm per module, not per
-    session: the modules that use it lie far apart in the run, and three idle daemons refreshing
-    every 2 s take half a core of CI's two from every test in between (a fresh swarm costs ~6 s
-    to start)."""
-    yield from three_servers_of_ten()
+    that needs to kill servers starts its own LocalSwarm). One swarm for every module that uses
+    it: those modules run first and it stops after the last of them (pytest_collection_modifyitems,
+    pytest_runtest_teardown), since three idle daemons refreshing every 2 s take half a core of
+    CI's two from every test that runs beside them."""
+    servers = three_servers_of_ten()
+    _shared.append(next(servers))
+    try:
+        yield _shared[0]
+    finally:
+        _shared.clear()
+        servers.close()  # stops them, if the last user's teardown has not already
+
+
+def _uses_shared_swarm(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.get("swarm", ()) if info is not None else ()
+    return bool(defs) and defs[-1].func is swarm.__wrapped__  # type: ignore[attr-defined]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules that use the shared swarm first, each whole and in its own order (splitting a
+    module would set its module fixtures up twice), then the rest as collected."""
+    using = {getattr(item, "module", None) for item in items if _uses_shared_swarm(item)}
+    first = [item for item in items if getattr(item, "module", None) in using]
+    items[:] = first + [item for item in items if getattr(item, "module", None) not in using]
+
+
+@pytest.hookimpl(trylast=True)  # after the item's own fixtures are torn down
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Stop the shared swarm once the last module that uses it is done."""
+    module = getattr(item, "module", None)
+    leaving = nextitem is None or getattr(nextitem, "module", None) is not module
+    if _shared and leaving and not any(map(_uses_shared_swarm, _later(item, nextitem))):
+        _shared[0].stop()
+
+
+def _later(item: pytest.Item, nextitem: pytest.Item | None) -> list[pytest.Item]:
+    """The items after `item` in this run."""
+    if nextitem is None:
+        return []
+    items = item.session.items
+    return items[items.index(nextitem) :]
 
 
 def three_servers_of_ten() -> Iterator[LocalSwarm]:
