@@ -55,42 +55,37 @@ CONTRIBUTOR_PROMPT = "Once upon a time, there was a little"
 STANDING_WAIT_S = 240.0
 
 
-async def _work(ports: list[int]) -> dict[str, float]:
+async def _scrape(ports: list[int]) -> list[dict[str, float]]:
+    """One scrape of each server's metrics, in the order of `ports`."""
+    return [await trio.to_thread.run_sync(scrape_metrics, port) for port in ports]
+
+
+def _work(scrapes: list[dict[str, float]]) -> dict[str, float]:
     """Tokens the servers ran, by class, summed over the servers."""
     out = {"contributor": 0.0, "taker": 0.0}
-    for port in ports:
-        values = await trio.to_thread.run_sync(scrape_metrics, port)
+    for values in scrapes:
         for kind in out:
             out[kind] += values.get(f'peerd_priority_work_total{{class="{kind}",queue="turns"}}', 0)
     return out
 
 
-async def _step_times(ports: list[int]) -> list[dict[str, float]]:
-    """Per server, the step-time counters (peerd_step_seconds_total, peerd_timed_steps_total)."""
-    out = []
-    for port in ports:
-        values = await trio.to_thread.run_sync(scrape_metrics, port)
-        out.append(
-            {k: v for k, v in values.items() if k.startswith(("peerd_step_", "peerd_timed"))}
-        )
-    return out
-
-
 def _hops(before: list[dict[str, float]], after: list[dict[str, float]], kind: str) -> list:
     """Per server (hop), the mean wait and forward of `kind`'s steps between two scrapes, in ms."""
-    hops = []
     label = f'class="{kind}"'
+    keys = {
+        "steps": f"peerd_timed_steps_total{{{label}}}",
+        "wait_ms": f'peerd_step_seconds_total{{{label},part="wait"}}',
+        "forward_ms": f'peerd_step_seconds_total{{{label},part="forward"}}',
+    }
+    hops = []
     for b, a in zip(before, after, strict=True):
-        delta = {key: a.get(key, 0.0) - b.get(key, 0.0) for key in a}
-        steps = delta.get(f"peerd_timed_steps_total{{{label}}}", 0.0)
-        wait = delta.get(f'peerd_step_seconds_total{{{label},part="wait"}}', 0.0)
-        forward = delta.get(f'peerd_step_seconds_total{{{label},part="forward"}}', 0.0)
-        per = 1000 / steps if steps else math.nan
+        got = {name: a.get(key, 0.0) - b.get(key, 0.0) for name, key in keys.items()}
+        per = 1000 / got["steps"] if got["steps"] else math.nan
         hops.append(
             {
-                "steps": int(steps),
-                "wait_ms": round(wait * per, 1),
-                "forward_ms": round(forward * per, 1),
+                "steps": int(got["steps"]),
+                "wait_ms": round(got["wait_ms"] * per, 1),
+                "forward_ms": round(got["forward_ms"] * per, 1),
             }
         )
     return hops
@@ -102,7 +97,7 @@ async def _wait_for_standing(ports: list[int]) -> float:
     began = time.monotonic()
     with trio.fail_after(STANDING_WAIT_S):
         while True:
-            scrapes = [await trio.to_thread.run_sync(scrape_metrics, port) for port in ports]
+            scrapes = await _scrape(ports)
             if all(s.get("peerd_contributors", 0) >= len(ports) for s in scrapes):
                 return time.monotonic() - began
             await trio.sleep(2)
@@ -192,21 +187,21 @@ async def _loaded(
                     _taker, Generator(client, view), view, ids, taker_gaps, args["errors"]
                 )
         await trio.sleep(args["ramp_s"])  # every taker session busy
-        times = await _step_times(ports)
-        before, began = await _work(ports), time.perf_counter()
+        before, began = await _scrape(ports), time.perf_counter()
         loaded = await _contributor(
             contributor, args["contributor_sessions"], args["new_tokens"], args["reps"]
         )
         with trio.move_on_after(TAKER_WAIT_S):
             while sum(at >= began for at, _ in taker_gaps) < MIN_TAKER_TOKENS:
                 await trio.sleep(0.5)
-        after, ended = await _work(ports), time.perf_counter()
+        after, ended = await _scrape(ports), time.perf_counter()
         args["hops_loaded"] = {
-            kind: _hops(times, await _step_times(ports), kind) for kind in ("contributor", "taker")
+            kind: _hops(before, after, kind) for kind in ("contributor", "taker")
         }
         nursery.cancel_scope.cancel()
     theirs = [gap for at, gap in taker_gaps if began <= at <= ended]
-    return loaded, theirs, {kind: after[kind] - before[kind] for kind in after}
+    work_before, work_after = _work(before), _work(after)
+    return loaded, theirs, {kind: work_after[kind] - work_before[kind] for kind in work_after}
 
 
 async def _measure(swarm: LocalSwarm, contributor: DaemonProcess, args: dict) -> dict[str, Any]:
@@ -214,9 +209,9 @@ async def _measure(swarm: LocalSwarm, contributor: DaemonProcess, args: dict) ->
     waited = await _wait_for_standing(ports)
     sessions = args["contributor_sessions"]
     await _contributor(contributor, sessions, 4, 1)  # warm-up
-    times = await _step_times(ports)
+    before = await _scrape(ports)
     unloaded = await _contributor(contributor, sessions, args["new_tokens"], args["reps"])
-    hops_unloaded = _hops(times, await _step_times(ports), "contributor")
+    hops_unloaded = _hops(before, await _scrape(ports), "contributor")
     loaded, taker_gaps, work = await _loaded(swarm, contributor, ports, args)
     # Unloaded again after the load: the machine's other work drifts; count both.
     unloaded += await _contributor(contributor, sessions, args["new_tokens"], args["reps"])
