@@ -26,21 +26,24 @@ if [ $# -gt 0 ]; then  # the tests named on the command line, after the type che
     .venv/bin/mypy
     exec "${pytest[@]}" "$@"
 fi
-# The type check runs beside the fast in-process tests (they use one core: conftest gives torch
-# one thread), then the tests where processes and networks are what is tested run alone (two
-# files at a time with pytest-xdist took as long: they are CPU-bound on 2 cores). Tests marked
-# quality (minutes of compute behind an issue's figures: perplexity per dtype, 30 steps of prompt
-# tuning, the attack catalogue against live daemons) run when asked:
+# The type check runs beside the fast in-process tests, then the tests where processes and
+# networks are what is tested. Both parts run on two pytest-xdist workers, a module (or the
+# modules sharing conftest's swarm) whole on one worker: a test gives torch one thread (conftest),
+# and a multi-process test kept 0.6-0.7 of the 2 cores busy on average (a chain of daemons
+# computes one hop at a time; some tests mostly wait for a timeout), so two at once fill them.
+# Tests marked quality (minutes of compute behind an issue's figures: perplexity per dtype, 30
+# steps of prompt tuning, the attack catalogue against live daemons) run when asked:
 # `bash scripts/test.sh -m quality`.
+workers=(-n 2 --dist loadfile)
 mypy_log=$(mktemp)
 .venv/bin/mypy >"$mypy_log" 2>&1 &
 mypy_pid=$!
 fast=0
-"${pytest[@]}" -m "not slow and not multiprocess and not netns" || fast=$?
+"${pytest[@]}" "${workers[@]}" -m "not slow and not multiprocess and not netns" || fast=$?
 typed=0
 wait "$mypy_pid" || typed=$?
 cat "$mypy_log"
 slow=0
-"${pytest[@]}" -m "(slow or multiprocess or netns) and not quality" || slow=$?
+"${pytest[@]}" "${workers[@]}" -m "(slow or multiprocess or netns) and not quality" || slow=$?
 echo "peerd tests: fast exit $fast, mypy exit $typed, slow exit $slow"
 [ "$fast" -eq 0 ] && [ "$typed" -eq 0 ] && [ "$slow" -eq 0 ]

@@ -62,12 +62,48 @@ def _uses_shared_swarm(item: pytest.Item) -> bool:
     return bool(defs) and defs[-1].func is swarm.__wrapped__  # type: ignore[attr-defined]
 
 
+# The modules that use the shared swarm. pytest-xdist's workers (scripts/test.sh runs two) take
+# a module whole, and these together (_ModulesWhole): one worker starts the swarm once.
+# pytest_collection_modifyitems checks the list against the modules that use the fixture.
+SHARED_SWARM_MODULES = frozenset(
+    f"tests/test_{name}.py"
+    for name in (
+        "admission",
+        "api",
+        "daemon_startup",
+        "first_use",
+        "model",
+        "training",
+        "transport_security",
+    )
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The modules that use the shared swarm first, each whole and in its own order (splitting a
     module would set its module fixtures up twice), then the rest as collected."""
     using = {getattr(item, "module", None) for item in items if _uses_shared_swarm(item)}
+    unlisted = {i.nodeid.split("::")[0] for i in items if getattr(i, "module", None) in using}
+    if unlisted := unlisted - SHARED_SWARM_MODULES:
+        raise pytest.UsageError(f"conftest.py: add {sorted(unlisted)} to SHARED_SWARM_MODULES")
     first = [item for item in items if getattr(item, "module", None) in using]
     items[:] = first + [item for item in items if getattr(item, "module", None) not in using]
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """With `--dist loadfile`: every module whole on one worker, and the modules of the shared
+    swarm together."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _ModulesWhole(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "shared swarm" if module in SHARED_SWARM_MODULES else module
+
+    return _ModulesWhole(config, log)
 
 
 @pytest.hookimpl(trylast=True)  # after the item's own fixtures are torn down
