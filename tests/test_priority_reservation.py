@@ -6,10 +6,12 @@ time."""
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import pytest
 import torch
@@ -29,6 +31,7 @@ from peerd.server.batching import (
 )
 from peerd.server.block_server import BlockServer
 from peerd.server.compute import ComputeQueue
+from peerd.server.lane import LANE_NICE, lanes_supported
 from peerd.server.priority import (
     CONTRIBUTOR_ACTIVE_S,
     TAKER_REST,
@@ -380,6 +383,7 @@ def test_metrics_show_the_rests_imposed_on_takers() -> None:
     text = render(_standing(server))
     assert "peerd_priority_taker_rests_total 1" in text
     assert f"peerd_priority_taker_rest_seconds_total {TAKER_REST * 0.25:g}" in text
+    assert "peerd_priority_lane_turns_total 0" in text
 
 
 async def test_each_class_s_steps_are_timed_in_wait_and_forward(
@@ -409,3 +413,82 @@ async def test_each_class_s_steps_are_timed_in_wait_and_forward(
     text = render(_standing(server))
     assert 'peerd_timed_steps_total{class="taker"} 1' in text
     assert f'peerd_step_seconds_total{{class="taker",part="forward"}} {5 * 0.05:g}' in text
+
+
+class _Gated:
+    """`span`, except that a forward on `held` waits for `gate` (and notes the nice value of the
+    thread it runs in, and that it started)."""
+
+    def __init__(self, span: blocks.Span, held: SpanSession) -> None:
+        self.span, self.held = span, held
+        self.device, self.chunk_tokens = span.device, span.chunk_tokens
+        self.gate, self.started = threading.Event(), threading.Event()
+        self.nice: list[int] = []
+
+    def forward(self, hidden: torch.Tensor, session: SpanSession, adapter: str | None = None):  # type: ignore[no-untyped-def]
+        if session is self.held:
+            self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+            self.started.set()
+            assert self.gate.wait(60), "the test never opened the gate"
+        return self.span.forward(hidden, session, adapter)
+
+
+@pytest.mark.skipif(not lanes_supported(), reason="threads have no nice values of their own here")
+async def test_while_reserved_a_takers_turn_runs_in_the_lane_and_a_contributor_goes_past_it(
+    span: blocks.Span,
+) -> None:
+    """The contributor is active and a taker's turn is under way (held there by the test): the
+    contributor's next step runs and returns meanwhile, in the compute queue's thread at normal
+    priority, while the takers' turn runs in the lane at LANE_NICE. Both results are exact."""
+    cache = MemoryCache(budget_tokens=10_000)
+    priority = _priority()
+    priority.account("someone", 1000)  # takers had their share lately
+    batcher = StepBatcher(ComputeQueue(), priority=priority)
+    x, y = torch.randn(1, 1, 32), torch.randn(1, 1, 32)
+    with cache.open_session(1, 8) as ref_x, cache.open_session(1, 8) as ref_y:
+        want_x, want_y = span(x, ref_x), span(y, ref_y)
+    with (
+        cache.open_session(1, 8) as taker,
+        cache.open_session(1, 8) as contributor,
+        cache.open_session(1, 8) as other,
+    ):
+        gated = _Gated(span, held=taker)
+        span_ = cast(blocks.Span, gated)
+        await batcher.run(span_, other, torch.randn(1, 1, 32), owner="C")  # C is active
+        got: list[torch.Tensor] = []
+
+        async def taker_step() -> None:
+            got.append(await batcher.run(span_, taker, x, owner="taker"))
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(taker_step)
+                assert await trio.to_thread.run_sync(gated.started.wait, 60)
+                mine = await batcher.run(span_, contributor, y, owner="C")
+                assert not gated.gate.is_set() and not got  # the takers' turn is still held
+                assert batcher.lane is not None and batcher.lane.jobs_done == 0
+                gated.gate.set()
+        finally:
+            gated.gate.set()
+    assert float((mine - want_y).abs().max()) <= 1e-5 * float(want_y.abs().max())
+    assert float((got[0] - want_x).abs().max()) <= 1e-5 * float(want_x.abs().max())
+    assert batcher.lane.niced is not None
+    assert gated.nice == [LANE_NICE if batcher.lane.niced else 0]
+    assert batcher.lane.jobs_done == 1 and batcher.counters.steps == 3
+
+
+async def test_fifo_runs_takers_turns_on_the_compute_queue_at_normal_priority(
+    span: blocks.Span,
+) -> None:
+    cache = MemoryCache(budget_tokens=10_000)
+    priority = _priority(enabled=False)
+    priority.account("someone", 1000)
+    batcher = StepBatcher(ComputeQueue(), priority=priority)
+    with cache.open_session(1, 8) as taker, cache.open_session(1, 8) as contributor:
+        gated = _Gated(span, held=taker)
+        gated.gate.set()
+        span_ = cast(blocks.Span, gated)
+        await batcher.run(span_, contributor, torch.randn(1, 1, 32), owner="C")
+        await batcher.run(span_, taker, torch.randn(1, 1, 32), owner="taker")
+    assert gated.nice == [os.getpriority(os.PRIO_PROCESS, 0)]  # the process's own
+    assert batcher.lane is None or batcher.lane.jobs_done == 0

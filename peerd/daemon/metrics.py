@@ -215,11 +215,18 @@ def _reservation(server: BlockServer) -> list[Metric]:
         "counter",
         "Their length in seconds: time in which no further turn of takers' work alone started.",
     )
+    lane = Metric(
+        "peerd_priority_lane_turns_total",
+        "counter",
+        "Turns of takers' work alone run in the lowest-priority lane while a contributor was "
+        "active here, off the compute queue (peerd.server.lane; CPU servers on Linux).",
+    )
     reservation = server.batcher.reservation
     if reservation is not None:
         rests.add(reservation.rests)
         rested.add(reservation.rested_s)
-    return [rests, rested]
+    lane.add(server.batcher.lane.jobs_done if server.batcher.lane is not None else 0)
+    return [rests, rested, lane]
 
 
 def _identity(daemon: Daemon) -> Metric:

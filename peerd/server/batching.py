@@ -17,11 +17,15 @@ contributor is active here, turns of takers' work alone are held back (priority.
 rests in proportion to its run time before the next may start, and their long steps run
 RESERVED_TURN_TOKENS per turn, so a contributor's step finds the device free most of the time and
 waits little when it does not; its round then takes only contributors' steps, and it waits for
-its partners only RESERVED_GATHER_S, and only for contributors' sessions.
+its partners only RESERVED_GATHER_S, and only for contributors' sessions. On a CPU device those
+takers' turns run in a lane of their own at the lowest CPU priority (peerd.server.lane), off the
+compute queue: a contributor's step that comes meanwhile runs at once, beside the takers' turn,
+and takes the cores first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import time
@@ -33,6 +37,7 @@ import trio
 
 from blocks import Span, SpanSession
 from peerd.server.compute import PRIORITY_INFERENCE, ComputeQueue
+from peerd.server.lane import LowPriorityLane, lanes_supported
 from peerd.server.priority import CONTRIBUTOR, TAKER, Priority, Reservation
 
 # Most rows one merged forward takes; the rest wait for the next round (keeps a round short).
@@ -96,6 +101,7 @@ class _Step:
     finished: bool = False
     abandoned: bool = False  # its caller went away (cancelled)
     shared: bool = False  # other peers stepped lately: a long step runs in short turns
+    in_lane: bool = False  # its turn runs in the takers' lane now (set and cleared under _lock)
     forward_s: float = 0.0  # time in the forwards (rounds) that ran it
 
     @property
@@ -184,6 +190,13 @@ class StepBatcher:
         self._round_over = trio.Event()
         self._changed = trio.Event()  # set when a step comes or a round is queued (_gather)
         self._recent: dict[int, _Recent] = {}  # id(session) -> what we know of its steps
+        # Takers' turns while contributors have the device reserved, on a CPU device (lane.py):
+        # busy from the hand-over to the end of the turn (under _lock); _lane_over is set on the
+        # event loop after each.
+        self.lane = LowPriorityLane() if lanes_supported() and priority is not None else None
+        self._lane_busy = False
+        self._lane_over = trio.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
 
     async def run(
         self,
@@ -198,6 +211,7 @@ class StepBatcher:
         result (up to float rounding) and the same errors as running it alone."""
         step = _Step(span, session, hidden, owner, next(self._order), session.position, adapter)
         arrived = self._timer()
+        self._token = trio.lowlevel.current_trio_token()
         now = trio.current_time()
         recent = self._recent.get(id(session))
         if recent is None or recent.session is not session:
@@ -218,6 +232,10 @@ class StepBatcher:
         self._notify()
         try:
             while not step.finished:
+                if step.in_lane:  # as a round on the compute queue, not to be cancelled midway
+                    with trio.CancelScope(shield=True):
+                        await self._lane_over.wait()
+                    continue
                 if not self._round_queued and self.enabled:
                     await self._gather(span, recent)
                 if self._round_queued:  # a round is queued or running: it may take this step
@@ -258,13 +276,17 @@ class StepBatcher:
             return False
         now = trio.current_time()
         self._reserving = self.reservation.active(now)
-        wait = self.reservation.taker_wait(now)
-        if wait <= 0:
-            return False
         assert self.priority is not None
         with self._lock:
             if any(self.priority.is_contributor(step.owner) for step in self._waiting):
                 return False
+            lane_busy = self._lane_busy
+        if lane_busy and self._reserving:  # the next takers' turn goes there too, after this one
+            await self._lane_over.wait()
+            return True
+        wait = self.reservation.taker_wait(now)
+        if wait <= 0:
+            return False
         await trio.sleep(wait)
         return True
 
@@ -273,6 +295,15 @@ class StepBatcher:
         ran_s, self._taker_turn_s = self._taker_turn_s, None
         if ran_s is not None and self.reservation is not None:
             self.reservation.taker_turn_ran(ran_s, trio.current_time())
+
+    def _lane_turn_over(self, ran_s: float) -> None:
+        """On the event loop, after a takers' turn in the lane: its rest starts, and its steps
+        (and the takers' turns waiting for the lane) go on."""
+        if self.reservation is not None:
+            self.reservation.taker_turn_ran(ran_s, trio.current_time())
+        over, self._lane_over = self._lane_over, trio.Event()
+        over.set()
+        self._notify()
 
     async def _gather(self, span: Span, recent: _Recent) -> None:
         """Wait until every recently active session that ran in the same forward as a step
@@ -332,8 +363,16 @@ class StepBatcher:
         self._round_reserved = self._reserving
         with self._lock:
             batch = self._pick()
-        if not batch:
-            return
+            if not batch or self._to_lane(batch):
+                return
+        ran_s = self._turn(batch)
+        if self.priority is not None and not any(
+            self.priority.is_contributor(step.owner) for step in batch
+        ):
+            self._taker_turn_s = ran_s
+
+    def _turn(self, batch: list[_Step]) -> float:
+        """Run the steps of a round (in a worker thread); return how long it took."""
         head = batch[0]
         began = self._timer()
         if len(batch) == 1 and head.left > MERGE_MAX_TOKENS:
@@ -343,17 +382,56 @@ class StepBatcher:
         ran_s = self._timer() - began
         for step in batch:
             step.forward_s += ran_s
-        if self.priority is not None and not any(
-            self.priority.is_contributor(step.owner) for step in batch
-        ):
-            self._taker_turn_s = ran_s
         with self._lock:
             for step in batch:
+                step.in_lane = False
                 if step.abandoned:
                     step.undo()
                 elif not step.finished:
                     self._waiting.append(step)  # the rest of a long step: back in the queue
         self.counters.steps += sum(step.finished for step in batch)
+        return ran_s
+
+    def _to_lane(self, batch: list[_Step]) -> bool:
+        """Hand a round of takers' work to the lane, while contributors have a CPU device
+        reserved and the lane is free (under _lock, in the worker thread): the compute queue is
+        free again at once, for a contributor's step."""
+        if (
+            self.lane is None
+            or self._lane_busy
+            or not self._round_reserved
+            or self._token is None
+            or batch[0].span.device.type != "cpu"
+        ):
+            return False
+        assert self.priority is not None
+        if any(self.priority.is_contributor(step.owner) for step in batch):
+            return False
+        token = self._token
+        for step in batch:
+            step.in_lane = True
+        self._lane_busy = True
+
+        def job() -> None:
+            ran_s = 0.0
+            try:
+                ran_s = self._turn(batch)
+            except BaseException as e:  # our bug: fail its steps rather than leave them waiting
+                with self._lock:
+                    for step in batch:
+                        step.in_lane = False
+                        if not step.finished:
+                            step.finish(None, e)
+                raise
+            finally:
+                with self._lock:
+                    self._lane_busy = False
+                with contextlib.suppress(trio.RunFinishedError):
+                    token.run_sync_soon(self._lane_turn_over, ran_s)
+
+        assert self.lane is not None
+        self.lane.submit(job)
+        return True
 
     def _pick(self) -> list[_Step]:
         """The steps of this round, taken out of the queue: the fairest first step, then (when

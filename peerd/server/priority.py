@@ -20,7 +20,8 @@ Takers then have at most 1 / (1 + TAKER_REST) of the device (their 20%), a contr
 arriving at a random moment finds a takers' turn under way that often and waits half of one on
 average, and every server of the route leaves the cores free four fifths of the time. Takers'
 turns run in smaller pieces meanwhile, and contributors' rounds take only contributors' steps
-(peerd.server.batching: RESERVED_TURN_TOKENS, RESERVED_GATHER_S). What it gained and cost on
+(peerd.server.batching: RESERVED_TURN_TOKENS, RESERVED_GATHER_S), and on a CPU server in a
+lane at the lowest CPU priority (peerd.server.lane). What it gained and cost on
 a loaded local swarm is in docs/swarm.md (Standing, Measured). The rest never takes the takers'
 guarantee: while their recent share of the work is under `taker_share`
 they are not held back at all; and it costs nothing when no contributor is about (the takers then
