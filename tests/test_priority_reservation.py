@@ -474,7 +474,8 @@ async def test_while_reserved_a_takers_turn_runs_in_the_lane_and_a_contributor_g
     assert float((got[0] - want_x).abs().max()) <= 1e-5 * float(want_x.abs().max())
     assert batcher.lane.niced is not None
     assert gated.nice == [LANE_NICE if batcher.lane.niced else 0]
-    assert batcher.lane.jobs_done == 1 and batcher.counters.steps == 3
+    await _spin_until(lambda: batcher.lane is not None and batcher.lane.jobs_done == 1)
+    assert batcher.counters.steps == 3
 
 
 async def test_fifo_runs_takers_turns_on_the_compute_queue_at_normal_priority(

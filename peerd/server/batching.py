@@ -30,7 +30,6 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import trio
@@ -39,6 +38,7 @@ from blocks import Span, SpanSession
 from peerd.server.compute import PRIORITY_INFERENCE, ComputeQueue
 from peerd.server.lane import LowPriorityLane, lanes_supported
 from peerd.server.priority import CONTRIBUTOR, TAKER, Priority, Reservation
+from peerd.server.steps import BatchCounters, Recent, Step, StepTimes
 
 # Most rows one merged forward takes; the rest wait for the next round (keeps a round short).
 MAX_BATCH_ROWS = 32
@@ -75,85 +75,6 @@ PRIORITY_TURN_TOKENS = 64
 RESERVED_TURN_TOKENS = 16
 
 
-@dataclass
-class _Recent:
-    """What the batcher remembers of a session that stepped lately."""
-
-    session: SpanSession
-    owner: str  # the peer whose session it is
-    at: float  # when its last step came
-    period: float = 0.0  # smoothed time between its steps (0: one step so far)
-    cohort: int = 0  # the merged round that ran its last step (0: it ran alone)
-
-
-@dataclass(eq=False)
-class _Step:
-    span: Span
-    session: SpanSession
-    hidden: torch.Tensor
-    owner: str  # the peer that sent it: turns are fair between peers first
-    order: int
-    start_position: int  # where the session stood, to undo a long step that fails half-way
-    adapter: str | None  # the LoRA adapter it runs with: only steps of one adapter merge
-    done: int = 0  # tokens already run (a long step goes chunk by chunk)
-    outputs: list[torch.Tensor] = field(default_factory=list)
-    error: BaseException | None = None
-    finished: bool = False
-    abandoned: bool = False  # its caller went away (cancelled)
-    shared: bool = False  # other peers stepped lately: a long step runs in short turns
-    in_lane: bool = False  # its turn runs in the takers' lane now (set and cleared under _lock)
-    forward_s: float = 0.0  # time in the forwards (rounds) that ran it
-
-    @property
-    def left(self) -> int:
-        return int(self.hidden.shape[1]) - self.done
-
-    @property
-    def remaining(self) -> torch.Tensor:
-        return self.hidden[:, self.done :]
-
-    @property
-    def rows(self) -> int:
-        return int(self.hidden.shape[0])
-
-    def undo(self) -> None:
-        """Forget the chunks of a long step that will not finish (failed or abandoned)."""
-        if self.done and not self.session.closed:
-            self.session.rollback(self.start_position)
-
-    def finish(self, output: torch.Tensor | None, error: BaseException | None = None) -> None:
-        if output is not None:
-            self.outputs.append(output)
-            self.done += output.shape[1]
-        if error is not None:
-            self.error, self.finished = error, True
-        elif self.left == 0:
-            self.finished = True
-
-
-@dataclass
-class BatchCounters:
-    forwards: int = 0  # forwards run (a merged one counts once)
-    steps: int = 0  # steps finished
-    merged_steps: int = 0  # steps that ran in a forward with others
-
-
-@dataclass
-class StepTimes:
-    """Where the finished steps of one class (contributor or taker) spent their time here:
-    `forward_s` in the rounds that ran them, `wait_s` the rest of the time from their arrival at
-    the batcher to their result (waiting for a turn, for partners, for a takers' rest to end)."""
-
-    steps: int = 0
-    wait_s: float = 0.0
-    forward_s: float = 0.0
-
-    def add(self, served_s: float, forward_s: float) -> None:
-        self.steps += 1
-        self.forward_s += forward_s
-        self.wait_s += max(0.0, served_s - forward_s)
-
-
 class StepBatcher:
     """Runs inference steps on `compute`, merging concurrent ones (`enabled=False`: one step per
     forward, in the same fair order, as a baseline)."""
@@ -181,7 +102,7 @@ class StepBatcher:
         self.max_rows = max_rows
         self.counters = BatchCounters()
         self.times = {CONTRIBUTOR: StepTimes(), TAKER: StepTimes()}  # by class
-        self._waiting: list[_Step] = []
+        self._waiting: list[Step] = []
         self._lock = threading.Lock()  # _waiting is read by rounds in the worker thread
         self._order = itertools.count()
         self._rounds = itertools.count(1)
@@ -189,7 +110,7 @@ class StepBatcher:
         self._round_queued = False
         self._round_over = trio.Event()
         self._changed = trio.Event()  # set when a step comes or a round is queued (_gather)
-        self._recent: dict[int, _Recent] = {}  # id(session) -> what we know of its steps
+        self._recent: dict[int, Recent] = {}  # id(session) -> what we know of its steps
         # Takers' turns while contributors have the device reserved, on a CPU device (lane.py):
         # busy from the hand-over to the end of the turn (under _lock); _lane_over is set on the
         # event loop after each.
@@ -209,17 +130,11 @@ class StepBatcher:
     ) -> torch.Tensor:
         """span(hidden, session, adapter), run in some round on the compute queue; the same
         result (up to float rounding) and the same errors as running it alone."""
-        step = _Step(span, session, hidden, owner, next(self._order), session.position, adapter)
+        step = Step(span, session, hidden, owner, next(self._order), session.position, adapter)
         arrived = self._timer()
         self._token = trio.lowlevel.current_trio_token()
         now = trio.current_time()
-        recent = self._recent.get(id(session))
-        if recent is None or recent.session is not session:
-            recent = self._recent[id(session)] = _Recent(session, owner, now)
-        else:
-            interval = now - recent.at
-            recent.period = interval if not recent.period else 0.7 * recent.period + 0.3 * interval
-            recent.at = now
+        recent = self._stepped(session, owner, now)
         step.shared = any(
             other.owner != owner and now - other.at <= ACTIVE_S and not other.session.closed
             for other in self._recent.values()
@@ -263,7 +178,18 @@ class StepBatcher:
         self._time(step, arrived)
         return step.outputs[0] if len(step.outputs) == 1 else torch.cat(step.outputs, dim=1)
 
-    def _time(self, step: _Step, arrived: float) -> None:
+    def _stepped(self, session: SpanSession, owner: str, now: float) -> Recent:
+        """Note that `owner` sent a step of `session` at `now`: what we know of the session."""
+        recent = self._recent.get(id(session))
+        if recent is None or recent.session is not session:
+            recent = self._recent[id(session)] = Recent(session, owner, now)
+        else:
+            interval = now - recent.at
+            recent.period = interval if not recent.period else 0.7 * recent.period + 0.3 * interval
+            recent.at = now
+        return recent
+
+    def _time(self, step: Step, arrived: float) -> None:
         """Count a finished step's time here under its owner's class."""
         contributor = self.priority is not None and self.priority.is_contributor(step.owner)
         times = self.times[CONTRIBUTOR if contributor else TAKER]
@@ -305,7 +231,7 @@ class StepBatcher:
         over.set()
         self._notify()
 
-    async def _gather(self, span: Span, recent: _Recent) -> None:
+    async def _gather(self, span: Span, recent: Recent) -> None:
         """Wait until every recently active session that ran in the same forward as a step
         waiting for `span` is here too, or a round is queued, or the step of `recent` waited
         its share of its period."""
@@ -371,7 +297,7 @@ class StepBatcher:
         ):
             self._taker_turn_s = ran_s
 
-    def _turn(self, batch: list[_Step]) -> float:
+    def _turn(self, batch: list[Step]) -> float:
         """Run the steps of a round (in a worker thread); return how long it took."""
         head = batch[0]
         began = self._timer()
@@ -392,7 +318,7 @@ class StepBatcher:
         self.counters.steps += sum(step.finished for step in batch)
         return ran_s
 
-    def _to_lane(self, batch: list[_Step]) -> bool:
+    def _to_lane(self, batch: list[Step]) -> bool:
         """Hand a round of takers' work to the lane, while contributors have a CPU device
         reserved and the lane is free (under _lock, in the worker thread): the compute queue is
         free again at once, for a contributor's step."""
@@ -433,7 +359,7 @@ class StepBatcher:
         self.lane.submit(job)
         return True
 
-    def _pick(self) -> list[_Step]:
+    def _pick(self) -> list[Step]:
         """The steps of this round, taken out of the queue: the fairest first step, then (when
         it is short) every short step of the same span that fits, in the same fair order."""
         if not self._waiting:
@@ -477,7 +403,7 @@ class StepBatcher:
                 recent.cohort = turn if len(batch) > 1 else 0
         return batch
 
-    def _partners(self, head: _Step, queue: list[_Step]) -> list[_Step]:
+    def _partners(self, head: Step, queue: list[Step]) -> list[Step]:
         """The steps that may merge into the round `head` leads: any, but while contributors are
         reserved the device, only contributors' steps join a contributor's: through 10 blocks of
         the default model on one CPU core a merged decode forward of 2 rows takes ~27 ms and of
@@ -489,7 +415,7 @@ class StepBatcher:
                 return [step for step in rest if contributor(step.owner)]
         return rest
 
-    def _turn_tokens(self, step: _Step) -> int:
+    def _turn_tokens(self, step: Step) -> int:
         """Tokens of a long step one turn runs."""
         if self.priority is None or not self.priority.enabled:
             return step.span.chunk_tokens
@@ -499,7 +425,7 @@ class StepBatcher:
             return min(step.span.chunk_tokens, PRIORITY_TURN_TOKENS)
         return step.span.chunk_tokens
 
-    def _run_chunk(self, step: _Step) -> None:
+    def _run_chunk(self, step: Step) -> None:
         """The next chunk of a long step; a failure undoes the chunks it already ran."""
         piece = step.remaining[:, : self._turn_tokens(step)]
         try:
@@ -512,7 +438,7 @@ class StepBatcher:
             self.counters.forwards += 1
         step.finish(output)
 
-    def _run_merged(self, batch: list[_Step]) -> None:
+    def _run_merged(self, batch: list[Step]) -> None:
         if len(batch) > 1:
             try:
                 outputs = batch[0].span.forward_batch(
