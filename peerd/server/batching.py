@@ -392,11 +392,13 @@ class StepBatcher:
                     sessions.add(id(step.session))
         alone = len(batch) == 1 and head.left > MERGE_MAX_TOKENS
         head.shared |= any(step.owner != head.owner for step in queue)
+        # decided here: a turn in the lane runs while the next round (re)sets _round_reserved
+        head.turn_tokens = self._turn_tokens(head) if alone else head.left
         for step in batch:
             self._waiting.remove(step)
             self._last_turn[step.owner] = turn
             if self.priority is not None:
-                tokens = min(step.left, self._turn_tokens(step)) if alone else step.left
+                tokens = min(step.left, head.turn_tokens) if alone else step.left
                 self.priority.account(step.owner, step.rows * tokens)
             recent = self._recent.get(id(step.session))
             if recent is not None:  # alone (0): no partners to wait for next time
@@ -427,7 +429,7 @@ class StepBatcher:
 
     def _run_chunk(self, step: Step) -> None:
         """The next chunk of a long step; a failure undoes the chunks it already ran."""
-        piece = step.remaining[:, : self._turn_tokens(step)]
+        piece = step.remaining[:, : step.turn_tokens]
         try:
             output = step.span.forward(piece, step.session, step.adapter)
         except Exception as e:

@@ -38,6 +38,7 @@ class Step:
     finished: bool = False
     abandoned: bool = False  # its caller went away (cancelled)
     shared: bool = False  # other peers stepped lately: a long step runs in short turns
+    turn_tokens: int = 0  # tokens its current turn runs (a long step: one piece of it)
     in_lane: bool = False  # its turn runs in the takers' lane now (under the batcher's _lock)
     forward_s: float = 0.0  # time in the forwards (rounds) that ran it
 
