@@ -202,18 +202,22 @@ class StepBatcher:
             return False
         now = trio.current_time()
         self._reserving = self.reservation.active(now)
+        wait = self.reservation.taker_wait(now)
+        # the next takers' turn goes to the lane too, after the one there now
+        for_lane = self._reserving and self._lane_busy
+        if wait <= 0 and not for_lane:
+            return False
         assert self.priority is not None
         with self._lock:
             if any(self.priority.is_contributor(step.owner) for step in self._waiting):
                 return False
-            lane_busy = self._lane_busy
-        if lane_busy and self._reserving:  # the next takers' turn goes there too, after this one
+            for_lane = self._reserving and self._lane_busy
+        if for_lane:
             await self._lane_over.wait()
-            return True
-        wait = self.reservation.taker_wait(now)
-        if wait <= 0:
+        elif wait > 0:
+            await trio.sleep(wait)
+        else:
             return False
-        await trio.sleep(wait)
         return True
 
     def _after_round(self) -> None:
@@ -292,10 +296,14 @@ class StepBatcher:
             if not batch or self._to_lane(batch):
                 return
         ran_s = self._turn(batch)
-        if self.priority is not None and not any(
-            self.priority.is_contributor(step.owner) for step in batch
-        ):
+        if self._takers_only(batch):
             self._taker_turn_s = ran_s
+
+    def _takers_only(self, batch: list[Step]) -> bool:
+        """No step of `batch` is a contributor's (by standing; False without a priority)."""
+        return self.priority is not None and not any(
+            self.priority.is_contributor(step.owner) for step in batch
+        )
 
     def _turn(self, batch: list[Step]) -> float:
         """Run the steps of a round (in a worker thread); return how long it took."""
@@ -328,10 +336,8 @@ class StepBatcher:
             or not self._round_reserved
             or self._token is None
             or batch[0].span.device.type != "cpu"
+            or not self._takers_only(batch)
         ):
-            return False
-        assert self.priority is not None
-        if any(self.priority.is_contributor(step.owner) for step in batch):
             return False
         token = self._token
         for step in batch:
