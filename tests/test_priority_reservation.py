@@ -425,7 +425,9 @@ class _Gated:
         self.gate, self.started = threading.Event(), threading.Event()
         self.nice: list[int] = []
 
-    def forward(self, hidden: torch.Tensor, session: SpanSession, adapter: str | None = None):  # type: ignore[no-untyped-def]
+    def forward(
+        self, hidden: torch.Tensor, session: SpanSession, adapter: str | None = None
+    ) -> torch.Tensor:
         if session is self.held:
             self.nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             self.started.set()
