@@ -218,7 +218,10 @@ async def test_a_takers_prefill_rests_between_its_turns_only_while_a_contributor
         want = span(prompt, reference)
     priority = _priority(enabled=enabled)
     priority.account("someone", 1000)  # takers had their share lately
-    batcher = StepBatcher(ComputeQueue(), priority=priority, timer=_Ticks(0.05))
+    # On a CPU server the turns held back run in the lane, whose rests follow its CPU clock.
+    batcher = StepBatcher(
+        ComputeQueue(), priority=priority, timer=_Ticks(0.05), cpu_timer=_Ticks(0.05)
+    )
     assert batcher.reservation is not None
     with cache.open_session(1, 256) as session, cache.open_session(1, 8) as other:
         await batcher.run(span, other, torch.randn(1, 1, 32), owner=first)
@@ -249,7 +252,9 @@ async def test_a_contributors_step_during_the_takers_rest_runs_at_once(
     cache = MemoryCache(budget_tokens=10_000)
     priority = _priority()
     priority.account("someone", 1000)  # takers had their share lately
-    batcher = StepBatcher(ComputeQueue(), priority=priority, timer=_Ticks(0.1))
+    batcher = StepBatcher(
+        ComputeQueue(), priority=priority, timer=_Ticks(0.1), cpu_timer=_Ticks(0.1)
+    )
     reservation = batcher.reservation
     assert reservation is not None
     prompt = torch.randn(1, 3 * RESERVED_TURN_TOKENS + 8, 32)
@@ -478,6 +483,38 @@ async def test_while_reserved_a_takers_turn_runs_in_the_lane_and_a_contributor_g
     assert gated.nice == [LANE_NICE if batcher.lane.niced else 0]
     await _spin_until(lambda: batcher.lane is not None and batcher.lane.jobs_done == 1)
     assert batcher.counters.steps == 3
+
+
+@pytest.mark.skipif(not lanes_supported(), reason="threads have no nice values of their own here")
+async def test_a_takers_turn_in_the_lane_rests_for_its_cpu_time_not_its_wall_time(
+    span: blocks.Span,
+) -> None:
+    """A takers' turn in the lane kept waiting (here by the test's gate; on a busy machine by
+    the kernel, for the nice-0 threads) is charged its CPU time: the rest after it is TAKER_REST
+    times what the lane's CPU clock (a stand-in moving 0.01 s a turn) says, not times the turn's
+    wall time, which its step's forward time still counts."""
+    cache = MemoryCache(budget_tokens=10_000)
+    priority = _priority()
+    priority.account("someone", 1000)  # takers had their share lately
+    batcher = StepBatcher(ComputeQueue(), priority=priority, cpu_timer=_Ticks(0.01))
+    assert batcher.reservation is not None
+    held_s = 0.3
+    with cache.open_session(1, 8) as taker, cache.open_session(1, 8) as contributor:
+        gated = _Gated(span, held=taker)
+        span_ = cast(blocks.Span, gated)
+        await batcher.run(span_, contributor, torch.randn(1, 1, 32), owner="C")  # C is active
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(batcher.run, span_, taker, torch.randn(1, 1, 32), "taker")
+                assert await trio.to_thread.run_sync(gated.started.wait, 60)
+                await trio.sleep(held_s)
+                gated.gate.set()
+        finally:
+            gated.gate.set()
+    await _spin_until(lambda: batcher.lane is not None and batcher.lane.jobs_done == 1)
+    assert batcher.reservation.rests == 1
+    assert batcher.reservation.rested_s == pytest.approx(TAKER_REST * 0.01)
+    assert batcher.times["taker"].forward_s >= held_s
 
 
 async def test_fifo_runs_takers_turns_on_the_compute_queue_at_normal_priority(

@@ -20,7 +20,8 @@ waits little when it does not; its round then takes only contributors' steps, an
 its partners only RESERVED_GATHER_S, and only for contributors' sessions. On a CPU device those
 takers' turns run in a lane of their own at the lowest CPU priority (peerd.server.lane), off the
 compute queue: a contributor's step that comes meanwhile runs at once, beside the takers' turn,
-and takes the cores first.
+and takes the cores first; the rest after such a turn is reckoned from its CPU time, since the
+kernel keeps it waiting whenever nice-0 threads want the cores.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ class StepBatcher:
         max_rows: int = MAX_BATCH_ROWS,
         priority: Priority | None = None,
         timer: Callable[[], float] = time.perf_counter,
+        cpu_timer: Callable[[], float] = time.thread_time,
     ) -> None:
         self.compute = compute
         self.enabled = enabled
@@ -94,6 +96,7 @@ class StepBatcher:
         # takers' turns held back while a contributor is active (a no-op with fifo)
         self.reservation = Reservation(priority) if priority is not None else None
         self._timer = timer  # times a turn's forward (in the worker thread)
+        self._cpu_timer = cpu_timer  # the CPU time of a turn in the lane (its thread's)
         # Contributors have the device reserved (set on the event loop, when a round is queued
         # or a contributor's step comes); a round reads it once as it starts (_round_reserved).
         self._reserving = False
@@ -226,11 +229,11 @@ class StepBatcher:
         if ran_s is not None and self.reservation is not None:
             self.reservation.taker_turn_ran(ran_s, trio.current_time())
 
-    def _lane_turn_over(self, ran_s: float) -> None:
-        """On the event loop, after a takers' turn in the lane: its rest starts, and its steps
-        (and the takers' turns waiting for the lane) go on."""
+    def _lane_turn_over(self, cpu_s: float) -> None:
+        """On the event loop, after a takers' turn in the lane that used `cpu_s` of CPU time:
+        its rest starts, and its steps (and the takers' turns waiting for the lane) go on."""
         if self.reservation is not None:
-            self.reservation.taker_turn_ran(ran_s, trio.current_time())
+            self.reservation.taker_turn_ran(cpu_s, trio.current_time())
         over, self._lane_over = self._lane_over, trio.Event()
         over.set()
         self._notify()
@@ -345,9 +348,15 @@ class StepBatcher:
         self._lane_busy = True
 
         def job() -> None:
-            ran_s = 0.0
+            # The rest that follows is the turn's CPU time times TAKER_REST, not its wall time:
+            # a turn the kernel kept waiting for the nice-0 threads' sake used the cores less
+            # than its wall time says, and a rest after a wait that long starved the takers
+            # below their share on a busy machine (a fifth of the device, in CPU time).
+            cpu_s = 0.0
+            began = self._cpu_timer()
             try:
-                ran_s = self._turn(batch)
+                self._turn(batch)
+                cpu_s = self._cpu_timer() - began
             except BaseException as e:  # our bug: fail its steps rather than leave them waiting
                 with self._lock:
                     for step in batch:
@@ -359,7 +368,7 @@ class StepBatcher:
                 with self._lock:
                     self._lane_busy = False
                 with contextlib.suppress(trio.RunFinishedError):
-                    token.run_sync_soon(self._lane_turn_over, ran_s)
+                    token.run_sync_soon(self._lane_turn_over, cpu_s)
 
         assert self.lane is not None
         self.lane.submit(job)
