@@ -53,6 +53,13 @@ TAKER_WAIT_S = 300.0
 CONTRIBUTOR_PROMPT = "Once upon a time, there was a little"
 # How long the servers' views may take to grant the contributor standing (qualify + looks).
 STANDING_WAIT_S = 240.0
+# The daemons' and the pure clients' refresh period: production's default (peerd start
+# --refresh-period). At the 2 s of test swarms each daemon's upkeep (look-ups, record puts, info
+# calls) took ~22% of a core, 0.9 of this machine's 2 cores for the four daemons, and the pure
+# clients' views refreshing every 5 s another 0.36 core of the bench process: load at normal
+# priority that no real server sees, which slowed the contributor's forwards both unloaded and
+# loaded.
+REFRESH_PERIOD_S = 60.0
 
 
 async def _scrape(ports: list[int]) -> list[dict[str, float]]:
@@ -164,7 +171,7 @@ async def _taker_views(
             )
             await node.connect(parse_peer_maddr(swarm.initial_peers[0]))
             num_blocks = int(client.config.num_hidden_layers)
-            view = SwarmView(node, client.model, num_blocks, refresh_period=5.0)
+            view = SwarmView(node, client.model, num_blocks, refresh_period=REFRESH_PERIOD_S)
             await view.wait_for(covered, 60)
             views.append(view)
         yield views
@@ -241,7 +248,7 @@ async def _measure(swarm: LocalSwarm, contributor: DaemonProcess, args: dict) ->
 
 
 def _start(priority: str) -> tuple[LocalSwarm, DaemonProcess]:
-    swarm = LocalSwarm(refresh_period=2.0, torch_threads=1)
+    swarm = LocalSwarm(refresh_period=REFRESH_PERIOD_S, torch_threads=1)
     extra = ("--priority", priority, "--metrics-port", "0")
     for name, span in zip("abc", SPANS, strict=True):
         swarm.start(name, span, *extra)
