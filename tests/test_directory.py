@@ -24,6 +24,8 @@ from peerd.node.streams import MessageStream
 from peerd.session.directory import (
     HOLDERS_FRESH_PERIODS,
     MAX_KEYS,
+    PUT_BURST,
+    PUT_RATE_PER_S,
     RECORDS_PROTOCOL,
     Directory,
     RecordBoard,
@@ -63,9 +65,11 @@ def get(shard: int = 0, shards: int = 1) -> wire.RecordsRequest:
     )
 
 
-async def ask(board: RecordBoard, request: wire.RecordsRequest) -> wire.Message:
-    """One request through the board's stream handler, as a peer would send it."""
-    client, server = stream_pair("reader", "holder")
+async def ask(
+    board: RecordBoard, request: wire.RecordsRequest, peer: str = "reader"
+) -> wire.Message:
+    """One request through the board's stream handler, as `peer` would send it."""
+    client, server = stream_pair(peer, "holder")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(board.handle, server)
         messages = MessageStream(client, wire.DEFAULT_MAX_FRAME_SIZE)
@@ -117,6 +121,34 @@ async def test_forged_records_and_bad_requests_are_refused_with_the_reason() -> 
     reply = await ask(board, wrong)
     assert isinstance(reply, wire.Error) and "another shard" in reply.message
     assert await ask(board, get()) == wire.RecordsReply()  # nothing was kept
+
+
+async def test_a_peer_flooding_record_puts_is_held_to_its_rate_and_nobody_else_is() -> None:
+    """PUT_BURST puts at once, then PUT_RATE_PER_S: further puts are refused (busy, saying
+    when to come back) before their record is checked; another peer's puts and every read still
+    go through, and the flooder may put again once its bucket refills."""
+    now = [time.time()]
+    board = RecordBoard(clock=lambda: now[0])
+    keys = create_new_key_pair()
+    record = record_of(keys, 0, 4)
+    request = put(record, sign_record(record, keys.private_key))
+    replies = [await ask(board, request, "flooder") for _ in range(PUT_BURST + 3)]
+    assert replies[:PUT_BURST] == [wire.RecordsReply()] * PUT_BURST
+    for reply in replies[PUT_BURST:]:
+        assert isinstance(reply, wire.Error) and reply.code == wire.ErrorCode.BUSY, reply
+        assert "too many record puts from flooder" in reply.message, reply.message
+    assert board.kept == PUT_BURST and board.throttled == 3
+    other = create_new_key_pair()
+    theirs = record_of(other, 4, 8)
+    assert await ask(board, put(theirs, sign_record(theirs, other.private_key)), "honest") == (
+        wire.RecordsReply()
+    )
+    reply = await ask(board, get(), "flooder")
+    assert isinstance(reply, wire.RecordsReply) and len(reply.records) == 2
+    now[0] += 1 / PUT_RATE_PER_S  # one token back
+    assert await ask(board, request, "flooder") == wire.RecordsReply()
+    assert isinstance(await ask(board, request, "flooder"), wire.Error)
+    assert board.throttled == 4
 
 
 def test_a_holder_keeps_at_most_max_keys_shard_keys() -> None:
@@ -206,6 +238,8 @@ def test_daemons_find_each_other_through_signed_records() -> None:
         assert seen["peerd_discovery_first_route_record_bytes"] > 0
         assert seen["peerd_discovery_first_route_contacts"] >= 3
         assert sum(scrape_metrics(p)["peerd_records_refused_total"] for p in ports) == 0
+        # Servers publishing every 2 s refresh period are never held to the put rate.
+        assert sum(scrape_metrics(p)["peerd_record_puts_throttled_total"] for p in ports) == 0
     finally:
         swarm.stop()
 

@@ -133,6 +133,11 @@ def _discovery(daemon: Daemon) -> list[Metric]:
         Metric(
             "peerd_records_refused_total", "counter", "Records refused as forged or malformed."
         ).add(board.refused if board else 0),
+        Metric(
+            "peerd_record_puts_throttled_total",
+            "counter",
+            "Record puts refused unchecked: their peer put more than PUT_RATE_PER_S a second.",
+        ).add(board.throttled if board else 0),
     ]
     if stats.first_route_s is not None:
         out.append(

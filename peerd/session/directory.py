@@ -80,6 +80,15 @@ READ_BUDGET_S = 4.0
 # Shard keys one daemon holds records for: any peer may name any key, so it is bounded (the
 # least recently used key goes); 256 records of <= 2 KB each per key.
 MAX_KEYS = 64
+# Record puts one peer may make here: PUT_BURST at once, then PUT_RATE_PER_S. An honest server
+# stores its record at 3 shard levels per refresh period (a few puts a minute at the 60 s default,
+# about 1.5 a second at test swarms' 2 s), so the bucket never holds one back; a peer flooding
+# puts costs us at most that many record checks a second: a further put is refused before
+# its record is checked.
+PUT_RATE_PER_S = 4.0
+PUT_BURST = 32
+# Peers whose buckets are kept (peer ids are free: the one heard from least recently goes).
+MAX_PUT_PEERS = 4096
 
 ShardKey = tuple[str, str, int, int, int]  # swarm, model, num_blocks, shard, shards
 
@@ -92,6 +101,8 @@ class RecordBoard:
         self.shards: OrderedDict[ShardKey, RecordShard] = OrderedDict()
         self.kept = 0  # records accepted
         self.refused = 0  # records refused (forged, malformed, another shard's)
+        self.throttled = 0  # puts refused unchecked: their peer was over PUT_RATE_PER_S
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # peer -> tokens, at
 
     @staticmethod
     def key_of(request: wire.RecordsRequest) -> ShardKey:
@@ -120,6 +131,19 @@ class RecordBoard:
             self.shards.popitem(last=False)
         return record
 
+    def may_put(self, peer: str) -> bool:
+        """Whether `peer` may put a record now (its bucket had a token, which this takes)."""
+        now = self.clock()
+        tokens, at = self._buckets.pop(peer, (float(PUT_BURST), now))
+        tokens = min(float(PUT_BURST), tokens + max(0.0, now - at) * PUT_RATE_PER_S)
+        allowed = tokens >= 1
+        self._buckets[peer] = (tokens - 1 if allowed else tokens, now)
+        while len(self._buckets) > MAX_PUT_PEERS:
+            self._buckets.popitem(last=False)
+        if not allowed:
+            self.throttled += 1
+        return allowed
+
     def get(self, request: wire.RecordsRequest) -> tuple[bytes, ...]:
         shard = self.shards.get(self.key_of(request))
         if shard is None:
@@ -132,6 +156,13 @@ class RecordBoard:
         messages = MessageStream(stream, wire.DEFAULT_MAX_FRAME_SIZE, remote_peer)
         try:
             request = await messages.receive_as(wire.RecordsRequest, REQUEST_TIMEOUT_S)
+            if request.record is not None and not self.may_put(messages.remote_peer):
+                message = (
+                    f"too many record puts from {messages.remote_peer}: at most "
+                    f"{PUT_RATE_PER_S:g} a second after a burst of {PUT_BURST}; retry later"
+                )
+                await messages.send(wire.Error(code=wire.ErrorCode.BUSY, message=message))
+                return
             try:
                 if request.record is not None:
                     self.put(request)
