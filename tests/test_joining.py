@@ -136,6 +136,18 @@ async def test_a_join_is_checked_live_and_a_leave_keeps_the_server_out(tiny_llam
             found: dict[str, ServerRecord] = {}
             view._settle_presence(found)
         assert s1 in found
+        # A refresh that asked it while it was still loading keeps what the join fetched later,
+        # not its joining record; a record the refresh fetched after the join's stands.
+        online = view.records[s1]
+        joining = dataclasses.replace(
+            online, state=wire.ServerState.JOINING, updated_at=online.updated_at - 1
+        )
+        later = dataclasses.replace(online, updated_at=online.updated_at + 1)
+        for refresh_found, stands in ((joining, online), (later, later)):
+            view._joined_meanwhile[s1] = online
+            found = {s1: refresh_found}
+            view._settle_presence(found)
+            assert found[s1] is stands
         # ...and one that leaves while a refresh runs stays out of what it found.
         view.heard_leave(s1)
         found = {s1: net.server("s1").record()}

@@ -388,9 +388,14 @@ class SwarmView:
 
     def _settle_presence(self, fresh: dict[str, ServerRecord]) -> None:
         """End of a refresh (`fresh`: what it found): a server that said it joined while the
-        refresh ran stays in the view, and one that said it leaves stays out of it."""
+        refresh ran stays in the view, and one that said it leaves stays out of it. Of two
+        records of a server, the later fetched one stands: a refresh that asked a server while
+        it was still loading must not put it back as joining after it said it is online (it
+        stayed so in a view for a refresh period, in CI)."""
         for peer_id, record in self._joined_meanwhile.items():
-            fresh.setdefault(peer_id, record)
+            found = fresh.get(peer_id)
+            if found is None or found.updated_at < record.updated_at:
+                fresh[peer_id] = record
         self._joined_meanwhile.clear()
         for peer_id in [p for p in fresh if self.has_left(p)]:
             del fresh[peer_id]
