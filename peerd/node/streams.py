@@ -7,6 +7,7 @@ The byte stream is a libp2p stream in the daemon, or anything with the same read
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Protocol, TypeVar
 
 import trio
@@ -61,7 +62,9 @@ class MessageStream:
         self.max_frame_size = max_frame_size
         self._remote_peer = remote_peer
         self._decoder = MessageDecoder(max_frame_size=max_frame_size, check_tensor=check_tensor)
-        self._send_lock = trio.Lock()  # frames from two tasks must not interleave
+        self._send_lock = trio.Lock()  # one write at a time: frames must not interleave
+        self._outbox: list[_Frame] = []  # frames queued for the next write
+        self._broken: PeerGone | None = None  # a write failed: the stream's framing is lost
 
     @property
     def remote_peer(self) -> str:
@@ -72,13 +75,39 @@ class MessageStream:
         return self._remote_peer
 
     async def send(self, message: Message, compression: str = "raw") -> None:
-        """Send one message, its tensors encoded with `compression` (wire.COMPRESSIONS)."""
-        data = encode_message(message, compression, max_frame_size=self.max_frame_size)
+        """Send one message, its tensors encoded with `compression` (wire.COMPRESSIONS).
+
+        Messages sent while a write is under way go together in the next write (group commit):
+        a server that pushes the outputs of one merged forward to the next server makes two
+        writes, not one per session, and the receiver reads them in one go. Each call returns
+        once its own message is written; a call cancelled before then takes its message back
+        unless a write already carries it."""
+        frame = _Frame(encode_message(message, compression, max_frame_size=self.max_frame_size))
+        self._outbox.append(frame)
         try:
             async with self._send_lock:
-                await self.stream.write(data)  # type: ignore[arg-type]  # any bytes-like works
+                if not frame.sent:
+                    await self._write_outbox()
+        except BaseException:
+            if frame in self._outbox:
+                self._outbox.remove(frame)
+            raise
+
+    async def _write_outbox(self) -> None:
+        if self._broken is not None:
+            raise PeerGone(str(self._broken))
+        frames, self._outbox = self._outbox, []
+        data = frames[0].data if len(frames) == 1 else b"".join(f.data for f in frames)
+        try:
+            await self.stream.write(data)  # type: ignore[arg-type]  # any bytes-like works
         except (StreamError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-            raise PeerGone(f"cannot send to {self.remote_peer}: {e or type(e).__name__}") from e
+            self._broken = PeerGone(f"cannot send to {self.remote_peer}: {e or type(e).__name__}")
+            raise self._broken from e
+        except BaseException:  # cancelled mid-write: part of a frame may be out
+            self._broken = PeerGone(f"a write to {self.remote_peer} was cut off")
+            raise
+        for f in frames:
+            f.sent = True
 
     async def receive(self, timeout: float, expect: Expect = None) -> Message:
         """The next message; PeerGone if the stream ends or nothing arrives within `timeout`;
@@ -112,6 +141,12 @@ class MessageStream:
         # Closing a dead stream can fail in many ways; there is nothing left to do then.
         with trio.move_on_after(1), contextlib.suppress(Exception):
             await self.stream.close()
+
+
+@dataclasses.dataclass(eq=False)
+class _Frame:
+    data: bytes | bytearray | memoryview
+    sent: bool = False
 
 
 def _libp2p_peer(stream: object) -> str:

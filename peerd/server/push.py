@@ -77,10 +77,12 @@ class Pusher:
         )
         lock = self._locks.setdefault(target.peer_id, trio.Lock())
         try:
-            async with lock:
-                with trio.fail_after(PUSH_TIMEOUT_S):
+            with trio.fail_after(PUSH_TIMEOUT_S):
+                async with lock:  # one stream per next server, opened once
                     stream = await self._stream_to(target)
-                    await stream.send(pushed, compression)
+                # The sessions of one merged forward push at once: their steps go to the next
+                # server in one write (MessageStream.send), which merges them in turn.
+                await stream.send(pushed, compression)
             return True
         except Exception as e:  # any failure: the client relays this output itself
             log.info("push to %s failed: %s", target.peer_id, e)

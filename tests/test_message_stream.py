@@ -1,0 +1,110 @@
+"""peerd.node.streams.MessageStream's sends: messages sent while a write is under way go out
+together in the next write, each sender returns once its own message is written, one cancelled
+before that takes its message back, and a failed write fails every message it carried."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+import wire
+from peerd.node.streams import MessageStream, PeerGone
+
+MAX_FRAME = 1 << 20
+
+
+class _SlowStream:
+    """A byte stream whose writes each wait until the test lets them through (or fail)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.go = trio.Event()
+        self.fail = False
+
+    async def write(self, data: bytes) -> None:
+        await self.go.wait()
+        if self.fail:
+            raise trio.BrokenResourceError("the peer reset the connection")
+        self.writes.append(bytes(data))
+
+    async def read(self, n: int | None = None) -> bytes:
+        raise AssertionError("not read in these tests")
+
+    async def close(self) -> None:
+        pass
+
+
+def _step(i: int) -> wire.Step:
+    return wire.Step(session_id=f"s{i}", step_id=i, hidden_states=torch.full((1, 1, 4), float(i)))
+
+
+def _decoded(writes: list[bytes]) -> list[int]:
+    decoder = wire.MessageDecoder(max_frame_size=MAX_FRAME)
+    decoder.receive_data(b"".join(writes))
+    steps = []
+    while (message := decoder.next_message()) is not None:
+        assert isinstance(message, wire.Step)
+        steps.append(message.step_id)
+    return steps
+
+
+async def test_sends_during_a_write_go_together_in_the_next_and_each_returns_when_written() -> None:
+    raw = _SlowStream()
+    stream = MessageStream(raw, MAX_FRAME, "peer")
+    returned: list[int] = []
+
+    async def send(i: int) -> None:
+        await stream.send(_step(i))
+        returned.append(i)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(4):
+            nursery.start_soon(send, i)
+        await trio.testing.wait_all_tasks_blocked()
+        assert returned == []  # the first write waits, the other three wait for it
+        raw.go.set()
+    # The first sender's write took along what the others queued before it ran (trio lets
+    # them queue while the first waits for the lock's checkpoint): one write, not four.
+    assert len(raw.writes) == 1
+    assert sorted(_decoded(raw.writes)) == [0, 1, 2, 3] and sorted(returned) == [0, 1, 2, 3]
+    # A send while nothing is queued writes its own message alone, at once.
+    await stream.send(_step(4))
+    assert _decoded(raw.writes[1:]) == [4]
+
+
+async def test_a_send_cancelled_before_its_write_takes_its_message_back() -> None:
+    raw = _SlowStream()
+    stream = MessageStream(raw, MAX_FRAME, "peer")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.send, _step(0))
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await stream.send(_step(1))
+        nursery.start_soon(stream.send, _step(2))
+        await trio.testing.wait_all_tasks_blocked()
+        raw.go.set()
+    assert _decoded(raw.writes) == [0, 2]
+
+
+async def test_a_failed_write_fails_every_message_it_carried_and_later_ones() -> None:
+    raw = _SlowStream()
+    stream = MessageStream(raw, MAX_FRAME, "peer")
+    failed: list[int] = []
+
+    async def send(i: int) -> None:
+        try:
+            await stream.send(_step(i))
+        except PeerGone:
+            failed.append(i)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(3):
+            nursery.start_soon(send, i)
+        await trio.testing.wait_all_tasks_blocked()
+        raw.fail = True
+        raw.go.set()
+    assert sorted(failed) == [0, 1, 2] and raw.writes == []
+    with pytest.raises(PeerGone, match="cannot send to peer"):
+        await stream.send(_step(3))
