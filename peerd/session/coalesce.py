@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import trio
 
@@ -12,12 +13,45 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+# A batch about to run waits for the members that have not called yet (each comes back once its
+# step returns), for this fraction of the time between the caller's calls, within these bounds
+# (peerd.server.batching gathers a forward's partners the same way). A member's first call has
+# no period yet: it waits GATHER_FIRST_S, enough for prefills of prompts of other lengths.
+GATHER_FRACTION = 0.25
+GATHER_MAX_S = 0.1
+GATHER_FIRST_S = 0.03
+# Only members due by then are waited for (_Member.due): not one whose calls come far apart (a
+# slower route), nor a late one, nor one still in its prefill after this long.
+ACTIVE_S = 1.0
+
+
 @dataclass(eq=False)
 class _Call(Generic[T, R]):
     item: T
+    key: Hashable | None = None
     result: R | None = None
     error: Exception | None = None
     finished: bool = False
+
+
+@dataclass
+class _Member:
+    joined: float
+    last: float | None = None  # when it last called
+    period: float | None = None  # smoothed time between its calls
+
+    def due(self, now: float, deadline: float, period_hint: float | None) -> bool:
+        """Its next call may well come by `deadline`. A member that has not called yet (its
+        prefill runs) is due for ACTIVE_S; one that called once steps about as often as the
+        caller (`period_hint`); one late by more than its period is not due (its reader
+        stopped, or its step is stuck)."""
+        if self.last is None:
+            return now - self.joined < ACTIVE_S
+        period = self.period if self.period is not None else period_hint
+        if period is None:
+            return False
+        expected = self.last + period
+        return expected - GATHER_FRACTION * period <= deadline and now - expected < period
 
 
 class Coalescer(Generic[T, R]):
@@ -26,29 +60,55 @@ class Coalescer(Generic[T, R]):
     result per item; an exception it raises fails every call of that batch.
 
     For work bound by reading weights, like the LM head of many sessions' next tokens: one
-    matrix product over all their rows reads the weights once."""
+    matrix product over all their rows reads the weights once.
 
-    def __init__(self, run_batch: Callable[[list[T]], list[R]]) -> None:
+    Callers that call again and again (a generation, once a token) join as members (`member`):
+    a batch about to run first waits, briefly (GATHER_*), for the members that have not called
+    yet. So concurrent generations sample their tokens in one pass and send their next steps
+    together, and the servers of their route merge those into one forward, instead of the
+    first to arrive running alone and the generations drifting into groups."""
+
+    def __init__(
+        self,
+        run_batch: Callable[[list[T]], list[R]],
+        run_sync: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync,
+    ) -> None:
         self._run_batch = run_batch
+        self._run_sync = run_sync  # how a batch runs: in a worker thread
         self._pending: list[_Call[T, R]] = []
         self._running = False
         self._batch_over = trio.Event()
+        self._members: dict[Hashable, _Member] = {}
+        self._changed = trio.Event()  # a call came or a member left
         self.batches = 0
 
-    async def __call__(self, item: T) -> R:
-        call: _Call[T, R] = _Call(item)
+    @contextlib.contextmanager
+    def member(self, key: Hashable) -> Iterator[None]:
+        """While in this block, calls with `key` are one member's: batches wait for it."""
+        self._members[key] = _Member(joined=trio.current_time())
+        try:
+            yield
+        finally:
+            del self._members[key]
+            self._notify()
+
+    async def __call__(self, item: T, key: Hashable | None = None) -> R:
+        call: _Call[T, R] = _Call(item, key)
+        wait, period = self._called(key)
         self._pending.append(call)
+        self._notify()
         try:
             while not call.finished:
                 if self._running:
                     await self._batch_over.wait()
                     continue
+                await self._gather(trio.current_time() + wait, period)
+                if self._running or call.finished:
+                    continue
                 batch, self._pending = self._pending, []
                 self._running = True
                 try:
-                    results = await trio.to_thread.run_sync(
-                        self._run_batch, [c.item for c in batch]
-                    )
+                    results = await self._run_sync(self._run_batch, [c.item for c in batch])
                 except Exception as e:
                     for c in batch:
                         c.error, c.finished = e, True
@@ -62,9 +122,41 @@ class Coalescer(Generic[T, R]):
                     self._running = False
                     over, self._batch_over = self._batch_over, trio.Event()
                     over.set()
+                    self._notify()
         finally:
             if call in self._pending:
                 self._pending.remove(call)
         if call.error is not None:
             raise call.error
         return call.result  # type: ignore[return-value]
+
+    def _called(self, key: Hashable | None) -> tuple[float, float | None]:
+        """Note a member's call: how long a batch it starts may wait for the other members, and
+        its period."""
+        member = self._members.get(key) if key is not None else None
+        if member is None:
+            return 0.0, None
+        now = trio.current_time()
+        if member.last is not None:
+            interval = now - member.last
+            member.period = (
+                interval if member.period is None else 0.7 * member.period + 0.3 * interval
+            )
+        member.last = now
+        if member.period is None:
+            return GATHER_FIRST_S, None
+        return min(GATHER_FRACTION * member.period, GATHER_MAX_S), member.period
+
+    async def _gather(self, deadline: float, period: float | None) -> None:
+        """Until every member due has a call pending, or `deadline`, or a batch runs."""
+        while not self._running and (now := trio.current_time()) < deadline:
+            pending = {c.key for c in self._pending}
+            members = self._members.items()
+            if all(k in pending or not m.due(now, deadline, period) for k, m in members):
+                return
+            with trio.move_on_at(deadline):
+                await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()

@@ -203,15 +203,18 @@ class Generator:
         step_input = input_ids
         finished = torch.zeros(input_ids.shape[0], dtype=torch.bool)
         eos = torch.tensor(list(eos_token_ids), dtype=torch.long)
-        for _ in range(max_new_tokens):
-            # A table look-up of a few rows: cheaper here than a hand-off to a worker thread.
-            hidden = self._embed(step_input)
-            hidden = await session.step(hidden)
-            token = await self._next_tokens(_NextToken(hidden[:, -1], token_ids, params, generator))
-            yield token
-            token_ids = torch.cat([token_ids, token], dim=1)
-            step_input = token
-            if len(eos):
-                finished |= torch.isin(token[:, 0], eos)
-                if bool(finished.all()):
-                    return
+        me = object()  # our calls of the LM head: concurrent generations wait for each other
+        with self._next_tokens.member(me):
+            for _ in range(max_new_tokens):
+                # A table look-up of a few rows: cheaper here than a hand-off to a worker thread.
+                hidden = self._embed(step_input)
+                hidden = await session.step(hidden)
+                next_token = _NextToken(hidden[:, -1], token_ids, params, generator)
+                token = await self._next_tokens(next_token, me)
+                yield token
+                token_ids = torch.cat([token_ids, token], dim=1)
+                step_input = token
+                if len(eos):
+                    finished |= torch.isin(token[:, 0], eos)
+                    if bool(finished.all()):
+                        return
