@@ -229,6 +229,9 @@ class Span(nn.Module):
         """One pass of stacked rows (see forward_batch); advances each part's cache."""
         queries = max(h.shape[1] for h, _, _ in parts)
         keys = max(kv.length + h.shape[1] for h, kv, _ in parts)
+        # As for one session's pass: else a merged pass ran with the count the last single
+        # pass left (a prompt's every core for 8 merged decode steps, after a prefill).
+        threads.apply(sum(h.shape[0] for h, _, _ in parts) * queries)
         if len(parts) == 1:
             hidden = parts[0][0]
         else:
