@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from blocks import threads
+from blocks import skinny, threads
 from blocks.cache import KVCache, SpanSession
 from blocks.checkpoint import CheckpointTensors, load_config, model_name, resolve_checkpoint
 from blocks.families import Family, RowMasks, family_of, prepare_config
@@ -44,6 +44,7 @@ class Span(nn.Module):
         self.rotary = rotary
         self.chunk_tokens = PREFILL_CHUNK_TOKENS
         self.adapters = adapters  # LoRA adapters a forward may name (blocks.lora)
+        self.skinny_rows: frozenset[int] = frozenset()  # merged rows in skinny form (blocks.skinny)
 
     @property
     def num_blocks(self) -> int:
@@ -372,11 +373,13 @@ def load_span(
     if rotary is not None:
         rotary = rotary.to(device)
     span = Span(config, family, start, layers, rotary, model_name(path))
+    span.eval()  # no dropout
+    if quant == "none" and dtype == torch.float32 and torch.device(device).type == "cpu":
+        span.skinny_rows = skinny.tune(span, config.hidden_size, skinny.make_skinny(span))
     for adapter in adapters:
         if not isinstance(adapter, AdapterInfo):
             adapter = read_adapter(adapter, config, family)
         span.add_adapter(adapter)
-    span.eval()  # no dropout
     # Servers never train the weights; gradients still reach the input hidden states.
     span.requires_grad_(False)
     return span
