@@ -375,7 +375,10 @@ def load_span(
     span = Span(config, family, start, layers, rotary, model_name(path))
     span.eval()  # no dropout
     if quant == "none" and dtype == torch.float32 and torch.device(device).type == "cpu":
-        span.skinny_rows = skinny.tune(span, config.hidden_size, skinny.make_skinny(span))
+        # Timed on the first few blocks (their weights still far larger than a CPU's caches),
+        # so a long span loads no slower than a short one.
+        sample = Span(config, family, start, layers[: skinny.TUNE_BLOCKS], rotary, span.model)
+        span.skinny_rows = skinny.tune(sample, config.hidden_size, skinny.make_skinny(span))
     for adapter in adapters:
         if not isinstance(adapter, AdapterInfo):
             adapter = read_adapter(adapter, config, family)
