@@ -58,6 +58,12 @@ def make_skinny(module: nn.Module) -> list[SkinnyLinear]:
     return found  # type: ignore[return-value]
 
 
+def set_rows(linears: list[SkinnyLinear], rows: frozenset[int]) -> None:
+    """Compute passes of `rows` rows in skinny form in every one of `linears`."""
+    for linear in linears:
+        linear.skinny_rows = rows
+
+
 def tune(
     forward: Callable[[torch.Tensor], object],
     hidden_size: int,
@@ -71,8 +77,7 @@ def tune(
         return frozenset()
 
     def timed(x: torch.Tensor, rows: frozenset[int]) -> float:
-        for linear in linears:
-            linear.skinny_rows = rows
+        set_rows(linears, rows)
         forward(x)  # warm
         times = []
         for _ in range(TUNE_REPS):
@@ -87,6 +92,5 @@ def tune(
             x = torch.randn(rows, 1, hidden_size)
             if timed(x, frozenset({rows})) <= CLEARLY_FASTER * timed(x, frozenset()):
                 chosen.add(rows)
-    for linear in linears:
-        linear.skinny_rows = frozenset(chosen)
+    set_rows(linears, frozenset(chosen))
     return frozenset(chosen)

@@ -44,7 +44,19 @@ class Span(nn.Module):
         self.rotary = rotary
         self.chunk_tokens = PREFILL_CHUNK_TOKENS
         self.adapters = adapters  # LoRA adapters a forward may name (blocks.lora)
-        self.skinny_rows: frozenset[int] = frozenset()  # merged rows in skinny form (blocks.skinny)
+
+    @property
+    def skinny_rows(self) -> frozenset[int]:
+        """The row counts its passes compute in skinny form (blocks.skinny; load_span tunes
+        them), as its linear layers hold them."""
+        return next((m.skinny_rows for m in self._skinny_linears()), frozenset())
+
+    @skinny_rows.setter
+    def skinny_rows(self, rows: frozenset[int]) -> None:
+        skinny.set_rows(self._skinny_linears(), rows)
+
+    def _skinny_linears(self) -> list[skinny.SkinnyLinear]:
+        return [m for m in self.modules() if isinstance(m, skinny.SkinnyLinear)]
 
     @property
     def num_blocks(self) -> int:
@@ -378,7 +390,7 @@ def load_span(
         # Timed on the first few blocks (their weights still far larger than a CPU's caches),
         # so a long span loads no slower than a short one.
         sample = Span(config, family, start, layers[: skinny.TUNE_BLOCKS], rotary, span.model)
-        span.skinny_rows = skinny.tune(sample, config.hidden_size, skinny.make_skinny(span))
+        skinny.tune(sample, config.hidden_size, skinny.make_skinny(span))
     for adapter in adapters:
         if not isinstance(adapter, AdapterInfo):
             adapter = read_adapter(adapter, config, family)

@@ -52,9 +52,11 @@ def test_a_tuned_span_merges_steps_as_before(tmp_path: Path) -> None:
     span = blocks.load_span(save_tiny_llama(tmp_path), 0, TINY_BLOCKS)
     assert span.skinny_rows <= frozenset(skinny.ROWS)
     span.skinny_rows = frozenset(skinny.ROWS)
-    for module in span.modules():
-        if isinstance(module, skinny.SkinnyLinear):
-            module.skinny_rows = span.skinny_rows
+    assert all(
+        m.skinny_rows == frozenset(skinny.ROWS)
+        for m in span.modules()
+        if isinstance(m, skinny.SkinnyLinear)
+    )
     cache = MemoryCache(budget_tokens=4096)
     hidden = span.config.hidden_size
     torch.manual_seed(1)
