@@ -19,6 +19,8 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
+from peerd.node.multiselect import pipeline_negotiation
+
 # py-libp2p's yamux answers every read with a WINDOW_UPDATE frame unless this is off; off, it
 # releases credit the go-yamux way (once half the window is read), which saves one frame (an
 # encryption and a socket write) per message of a decode step on both ends. It is read at call
@@ -56,7 +58,8 @@ def make_host(
     key_pair: KeyPair, listen_addrs: Sequence[multiaddr.Multiaddr], mdns: bool = False
 ) -> IHost:
     """A host that speaks only Noise (plaintext and secio dialers are refused) and only yamux
-    (mplex loses data), with one connection per peer (avoids a 250 ms happy-eyeballs stall).
+    (mplex loses data), with one connection per peer (avoids a 250 ms happy-eyeballs stall),
+    negotiating protocols in one round trip (peerd.node.multiselect).
     With `mdns`, it announces itself on the LAN and puts the peers it hears of in its
     peerstore (dialling them is the daemon's business: join_discovered_peers)."""
     noise = NoiseTransport(key_pair, noise_privkey=new_x25519_key_pair().private_key)
@@ -68,6 +71,7 @@ def make_host(
         connection_config=ConnectionConfig(max_connections_per_peer=1),
         enable_mDNS=mdns,
     )
+    pipeline_negotiation(host)  # one round trip per negotiation, not two
     if (discovery := getattr(host, "mDNS", None)) is not None:
         _announce_concrete_addrs(discovery.broadcaster)
     return host
