@@ -6,6 +6,12 @@ access link of its own; a round trip is the distance between two peers plus both
 scaled so that the median round trip over random pairs is `median_rtt_s` (50 ms by default).
 Bandwidth: lognormal per peer (median 20 Mbit/s); a transfer runs at the slower end's speed.
 
+Connections: a request travels on a stream of its own (py-libp2p opens one per request and
+negotiates its protocol, STREAM_RTTS), over a connection that the first request between two peers
+dials (TCP, then security and muxer negotiation, DIAL_RTTS), as measured between two daemons
+(peerd/node/multiselect.py). Only a client's connections are tracked: its clock is what the
+report gives; a server's upkeep is counted in messages and bytes, not seconds.
+
 Kademlia: 64-bit ids (the first 8 bytes of the sha-256 of the peer id), k = 20, alpha = 3. A
 peer's routing table is drawn lazily from the membership: for each prefix length i it knows k
 members of the subtree that shares i bits with it and differs in bit i (all of them when there
@@ -34,6 +40,11 @@ ID_BITS = 64
 REQUEST_BYTES = 80
 PEER_ENTRY_BYTES = 90
 REGIONS = 5
+# Round trips a daemon spends before a request's own (measured between two network namespaces
+# 50 ms apart, peerd/node/multiselect.py): dialling a peer (TCP 1, multistream-select for the
+# security protocol 1, Noise XX 1.5, multistream-select for the muxer 1), and opening a stream.
+DIAL_RTTS = 4.3
+STREAM_RTTS = 1.1
 # Relative error of each network coordinate (Vivaldi's estimates are typically 10-20% off).
 COORD_ERROR = 0.15
 
@@ -80,6 +91,8 @@ class Network:
     _scale: float = 1.0
     _tables: dict[tuple[int, int], list[int]] = field(default_factory=dict)
     counts: Counter[str] = field(default_factory=Counter)
+    # A client's open connections: client -> the peers it has dialled (module docstring).
+    _links: dict[int, set[int]] = field(default_factory=dict)
 
     def add(self, name: str, *, member: bool = True) -> SimPeer:
         """A new peer; a `member` joins the DHT (a client looks things up but stores nothing)."""
@@ -108,10 +121,15 @@ class Network:
         self.peers[peer.kid] = peer
         if member:
             bisect.insort(self._sorted, peer.kid)
+        else:
+            self._links[peer.kid] = set()
         return peer
 
     def remove(self, kid: int) -> None:
         self.peers.pop(kid)
+        self._links.pop(kid, None)
+        for links in self._links.values():
+            links.discard(kid)
         at = bisect.bisect_left(self._sorted, kid)
         if at < len(self._sorted) and self._sorted[at] == kid:
             del self._sorted[at]
@@ -144,13 +162,24 @@ class Network:
 
     def exchange(self, a: int, b: int, sent: int, received: int, kind: str) -> float:
         """One request of `sent` bytes from a and its reply of `received` bytes: both peers'
-        counters move, and the seconds it takes come back."""
+        counters move, and the seconds until the reply is in come back (a stream opened first,
+        and a connection dialled first when client `a` has none to b)."""
         for kid in (a, b):
             peer = self.peers[kid]
             peer.messages += 1
             peer.bytes += sent + received
         self.counts[kind] += 2
         self.counts[f"{kind}_bytes"] += sent + received
+        before = STREAM_RTTS
+        links = self._links.get(a)
+        if links is not None and b not in links:
+            links.add(b)
+            before += DIAL_RTTS
+        return (1 + before) * self.rtt(a, b) + self.transfer_s(a, b, sent + received)
+
+    def measured_rtt(self, a: int, b: int, sent: int, received: int) -> float:
+        """The round trip `a` measures of an exchange with b: from its request to the reply,
+        on a stream already open (what a daemon records, peerd.session.swarm)."""
         return self.rtt(a, b) + self.transfer_s(a, b, sent + received)
 
     # --- Kademlia -----------------------------------------------------------------------------

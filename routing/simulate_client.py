@@ -41,18 +41,22 @@ from routing.discovery import (
     shard_key,
     shard_levels,
 )
-from routing.netsim import kad_id
+from routing.netsim import DIAL_RTTS, STREAM_RTTS, kad_id
 from routing.planner import DEFAULT_RTT_S, NoRouteError, plan_route, route_cost
 from routing.records import ServerRecord, SwarmSnapshot
-from routing.simulate import MODEL, Swarm
+from routing.simulate import MODEL, REPLICAS, STORE_BYTES, Swarm
 from routing.speeds import credible_throughputs
 from wire import ServerState
 
 INFO_BYTES = (40, 320)  # an info request and its reply
-INFO_DEADLINE_S = 0.5
+# Round trips an `info` to a server the client has no connection to takes: the dial, the stream
+# and the request (routing.netsim); the waits below are counted in them.
+FIRST_CONTACT_RTTS = 1 + STREAM_RTTS + DIAL_RTTS
+# How long a client waits for an `info` answer at most: the daemon's INFO_TIMEOUT_S.
+INFO_DEADLINE_S = 3.0
 # How long a client that has a route already waits for servers that might make it better: one
-# worth it is near (a round trip well under this), so a later answer is not waited for.
-BETTER_DEADLINE_S = 0.15
+# worth it is near (a round trip well under 150 ms), so a later answer is not waited for.
+BETTER_DEADLINE_S = 0.15 * FIRST_CONTACT_RTTS
 PATIENCE_S = 0.05
 # `info` calls a client makes at first; then, REPLAN_ROUNDS times at most, the servers the route
 # over the answers still wants (`servers_to_confirm`), MAX_CONTACTS in all (CONTACT_ROUNDS times
@@ -60,10 +64,13 @@ PATIENCE_S = 0.05
 FIRST_CONTACTS = 16
 REPLAN_ROUNDS = 3
 CONTACT_ROUNDS = 3
+# Holders of a shard asked at first (the daemon's, peerd.session.directory).
+READ_HOLDERS = 2
 # Shards of the whole swarm a client reads more when what it read leaves a block unserved.
 MORE_SHARDS = 3
 
-Answers = dict[str, tuple[float, ServerRecord]]  # peer -> (seconds it took, live record)
+# peer -> (seconds until its answer was in, the round trip measured, its live record)
+Answers = dict[str, tuple[float, float, ServerRecord]]
 
 
 @dataclass
@@ -123,23 +130,46 @@ class _Client:
         return believed.snapshot, estimates
 
     def _read(self, keys: list[bytes]) -> list[SignedRecord]:
-        """Read the shards under `keys` side by side (the slowest look-up counts)."""
+        """Read the shards under `keys` side by side (the slowest read counts), each as the
+        daemon reads one (peerd.session.directory): a Kademlia look-up of the key's closest
+        peers, then READ_HOLDERS of its REPLICAS holders asked side by side, and the others
+        too when what those hold leaves a block unserved."""
         fetched: list[SignedRecord] = []
         slowest = 0.0
-        out, swarm = self.out, self.swarm
+        out = self.out
         for name in keys:
             key = kad_id(name)
-            found = swarm.holder_of(self.kid, key)
+            found = self.swarm.net.look_up(self.kid, key)
             out.lookups += 1
             out.lookup_messages += found.messages
             out.lookup_hops += found.hops
             out.messages += found.messages
             out.bytes += found.bytes
-            if found.value_holder is not None:
-                fetched += swarm.stores[found.value_holder][key].records(swarm.now)
-            slowest = max(slowest, found.seconds)
+            holders = found.closest[:REPLICAS]
+            seconds = found.seconds
+            for group in (holders[:READ_HOLDERS], holders[READ_HOLDERS:]):
+                seconds += max((self._ask_holder(h, key, fetched) for h in group), default=0.0)
+                if not self._uncovered(fetched):
+                    break
+            slowest = max(slowest, seconds)
         out.first_route_s += slowest
         return fetched
+
+    def _ask_holder(self, holder: int, key: int, into: list[SignedRecord]) -> float:
+        """The records `holder` keeps under `key`, added to `into`; the seconds it took."""
+        swarm, out = self.swarm, self.out
+        shard = swarm.stores.get(holder, {}).get(key)
+        records = shard.records(swarm.now) if shard is not None else []
+        size = sum(len(r) for r in records) + 16
+        out.messages += 2
+        out.bytes += STORE_BYTES + size
+        into += records
+        return swarm.net.exchange(self.kid, holder, STORE_BYTES, size, "read")
+
+    def _uncovered(self, fetched: list[SignedRecord]) -> bool:
+        swarm, records = self.swarm, (authentic(s)[0] for s in fetched)
+        served = SwarmSnapshot.from_records(MODEL, swarm.num_blocks, records, now=swarm.now)
+        return bool(served.uncovered_blocks())
 
     def _fetch(self) -> list[SignedRecord]:
         """Bootstrap, one shard of the whole swarm, the lanes of the cells around us, and more
@@ -165,11 +195,7 @@ class _Client:
         more = [(i, shards) for i in order[1:]]
         more += [(swarm.rng.randrange(n), n) for n in shard_levels(shards) if n != shards]
         self.spare = [shard_key(MODEL, index, count) for index, count in more[:MORE_SHARDS]]
-        while self.spare:
-            records = (authentic(s)[0] for s in fetched)
-            served = SwarmSnapshot.from_records(MODEL, swarm.num_blocks, records, now=swarm.now)
-            if not served.uncovered_blocks():
-                break
+        while self.spare and self._uncovered(fetched):
             fetched += self._read([self.spare.pop(0)])
         return fetched
 
@@ -201,10 +227,14 @@ class _Client:
     ) -> float:
         """When to plan: the first moment the route over the answers in and the servers still
         awaited (with estimated RTTs) wants none of those awaited. A server is awaited until
-        twice its estimated round trip and PATIENCE_S (or INFO_DEADLINE_S), so that one gone
-        does not hold the first route back until the deadline."""
+        twice what a first contact at its estimated round trip takes and PATIENCE_S (or
+        INFO_DEADLINE_S), so that one gone does not hold the first route back until the
+        deadline."""
         patience = {
-            p: min(INFO_DEADLINE_S, 2 * estimates.get(p, DEFAULT_RTT_S) + PATIENCE_S)
+            p: min(
+                INFO_DEADLINE_S,
+                2 * FIRST_CONTACT_RTTS * estimates.get(p, DEFAULT_RTT_S) + PATIENCE_S,
+            )
             for p in contacts
         }
         moments = {a[0] for a in answers.values()} | set(patience.values())
@@ -214,7 +244,7 @@ class _Client:
                 snapshot.by_peer[p] for p in contacts if p not in confirmed and patience[p] > moment
             )
             pending = SwarmSnapshot(MODEL, self.swarm.num_blocks, awaited)
-            if not servers_to_confirm(pending, confirmed, (), estimates) and (
+            if not servers_to_confirm(pending, _measured(confirmed), (), estimates) and (
                 not awaited or self._live_route(confirmed) is not None
             ):
                 return moment
@@ -229,7 +259,7 @@ class _Client:
             if route is not None and round_ >= REPLAN_ROUNDS:
                 break
             limit = MAX_CONTACTS * (1 if route is not None else CONTACT_ROUNDS)
-            more = servers_to_confirm(snapshot, self.confirmed, self.asked, estimates)
+            more = servers_to_confirm(snapshot, _measured(self.confirmed), self.asked, estimates)
             more = more[: limit - len(self.asked)]
             if not more:
                 break
@@ -244,15 +274,15 @@ class _Client:
     def _live_route(self, confirmed: Answers) -> Route | None:
         """The cheapest route over the servers that answered, with the RTTs measured; None if
         they leave a block unserved."""
-        live = SwarmSnapshot(MODEL, self.swarm.num_blocks, tuple(a[1] for a in confirmed.values()))
+        live = SwarmSnapshot(MODEL, self.swarm.num_blocks, tuple(a[2] for a in confirmed.values()))
         try:
-            return plan_route(live, rtts={p: a[0] for p, a in confirmed.items()})
+            return plan_route(live, rtts={p: a[1] for p, a in confirmed.items()})
         except NoRouteError:
             return None
 
     def _ask(self, snapshot: SwarmSnapshot, contacts: list[str]) -> Answers:
-        """`info` to every contact at once: per answering server, when it answered and its live
-        record (if it backs the one it published)."""
+        """`info` to every contact at once: per answering server, when it answered, the round
+        trip measured and its live record (if it backs the one it published)."""
         answers: Answers = {}
         swarm, out = self.swarm, self.out
         self.asked.update(contacts)
@@ -267,7 +297,8 @@ class _Client:
             out.bytes += INFO_BYTES[1]
             live = confirmed_record(snapshot.by_peer[peer_id], server.record)
             if live is not None:
-                answers[peer_id] = (took, live)
+                rtt = swarm.net.measured_rtt(self.kid, server.kid, *INFO_BYTES)
+                answers[peer_id] = (took, rtt, live)
         return answers
 
     def _cost_ratio(self, route: Route) -> float:
@@ -286,6 +317,11 @@ def cost_vs_optimum(route: Route, truth: SwarmSnapshot, rtts: dict[str, float]) 
     best = plan_route(_pareto(truth, rtts, credible), rtts=rtts)
     mine = route_cost(route, rtts=rtts, throughputs=credible)
     return mine / route_cost(best, rtts=rtts, throughputs=credible)
+
+
+def _measured(answers: Answers) -> dict[str, tuple[float, ServerRecord]]:
+    """Per answer, the round trip measured and the live record."""
+    return {p: (rtt, record) for p, (_, rtt, record) in answers.items()}
 
 
 def _by(answers: Answers, seconds: float) -> Answers:

@@ -10,8 +10,28 @@ import random
 import pytest
 
 from peerd.bench.scale import format_scale_report, run_scale_bench
-from routing.netsim import ALPHA, Network
+from routing.netsim import ALPHA, DIAL_RTTS, STREAM_RTTS, Network
 from routing.simulate_run import run
+
+
+def test_a_clients_first_request_to_a_peer_dials_it_and_later_ones_reuse_the_connection() -> None:
+    net = Network(random.Random(0))
+    servers = [net.add(f"server-{i}") for i in range(3)]
+    client = net.add("client", member=False)
+    rtt = net.rtt(client.kid, servers[0].kid)
+    transfer = net.transfer_s(client.kid, servers[0].kid, 100)
+    first = net.exchange(client.kid, servers[0].kid, 40, 60, "info")
+    assert first == pytest.approx((1 + STREAM_RTTS + DIAL_RTTS) * rtt + transfer)
+    again = net.exchange(client.kid, servers[0].kid, 40, 60, "info")
+    assert again == pytest.approx((1 + STREAM_RTTS) * rtt + transfer)
+    assert net.measured_rtt(client.kid, servers[0].kid, 40, 60) == pytest.approx(rtt + transfer)
+    net.remove(servers[0].kid)  # gone, then back under the same name: dialled again
+    back = net.add("server-0")
+    rtt = net.rtt(client.kid, back.kid)
+    assert net.exchange(client.kid, back.kid, 40, 60, "info") > (1 + STREAM_RTTS + DIAL_RTTS) * rtt
+    # A server's connections are not tracked (its upkeep is counted in messages and bytes).
+    a, b = servers[1].kid, servers[2].kid
+    assert net.exchange(a, b, 40, 60, "store") == net.exchange(a, b, 40, 60, "store")
 
 
 def test_look_ups_find_the_closest_peers_in_few_hops_and_estimate_the_size() -> None:
@@ -60,7 +80,9 @@ def test_clients_of_a_few_hundred_servers_route_near_the_optimum_from_lanes() ->
     assert report["cost_vs_optimum"]["median"] <= 1.10, report["cost_vs_optimum"]
     assert report["bytes_per_plan"]["max"] < 200_000
     assert report["contacts"]["max"] <= 24
-    assert report["first_route_s"]["median"] <= 1.0
+    # Dials charged (routing.netsim): 2.8 s here, a look-up and a holders' read for the shard,
+    # the same for the lanes, a bootstrap and the `info` calls, each contact dialled first.
+    assert report["first_route_s"]["median"] <= 3.5
     assert report["messages_by_kind"]["store"] > 0
 
 

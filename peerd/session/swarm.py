@@ -138,39 +138,39 @@ class SwarmView:
 
     # --- discovering --------------------------------------------------------------------------
 
-    async def _providers(self, key: str, serving_it: bool) -> list[PeerInfo]:
+    async def _providers(self, key: str, serving_it: bool, into: list[PeerInfo]) -> None:
         # Cached provider records (our own, or ones from earlier look-ups) would answer alone:
         # forget them to ask the network. Our own record stays when we provide the key.
         if not serving_it:
             self.node.forget_cached_providers(key)
         with trio.move_on_after(INFO_TIMEOUT_S):
             try:
-                return list(await self.node.dht.find_providers(key, count=MAX_PROVIDERS))
+                into += await self.node.dht.find_providers(key, count=MAX_PROVIDERS)
             except Exception as e:
                 log.debug("find_providers(%s) failed: %s", key[:12], e)
-        return []
 
     async def find_candidates(self, blocks: Iterable[int] = ()) -> dict[str, PeerInfo]:
         """Peers the DHT lists for the model, and for each of `blocks` (not yet confirmed)."""
-        own = self.own_record()
-        found: dict[str, PeerInfo] = {}
-        keys = [model_key(self.model, self.swarm_name)]
-        if not blocks:  # servers of every model: their records name the swarm's models
-            keys.append(models_key(self.swarm_name))
-            if await self._from_directory(found):  # it lists a server for every block
-                keys.remove(model_key(self.model, self.swarm_name))
+        own, found, listed = self.own_record(), dict[str, PeerInfo](), list[PeerInfo]()
+        keys, serving = [model_key(self.model, self.swarm_name)], own is not None
+        if not blocks:  # servers of every model (their records name the swarm's models), found
+            async with trio.open_nursery() as nursery:  # beside the directory's read
+                nursery.start_soon(self._providers, models_key(self.swarm_name), serving, listed)
+                if await self._from_directory(found):  # it lists a server for every block
+                    keys.clear()
         for key in keys:
-            for info in await self._providers(key, own is not None):
-                found.setdefault(info.peer_id.to_string(), info)
+            await self._providers(key, serving, listed)
+        for info in listed:
+            found.setdefault(info.peer_id.to_string(), info)
         # Look-ups of the same peers at once overload py-libp2p's stream negotiation; a few
         # at a time is as fast on a small swarm and kinder on a big one.
         limiter = trio.CapacityLimiter(BLOCK_LOOKUP_CONCURRENCY)
 
         async def look_up(block: int) -> None:
             async with limiter:
-                serving = own is not None and own.covers(block)
-                key = block_key(self.model, block, self.swarm_name)
-                for info in await self._providers(key, serving):
+                key, providers = block_key(self.model, block, self.swarm_name), list[PeerInfo]()
+                await self._providers(key, own is not None and own.covers(block), providers)
+                for info in providers:
                     found.setdefault(info.peer_id.to_string(), info)
 
         async with trio.open_nursery() as nursery:
@@ -209,7 +209,7 @@ class SwarmView:
     async def fetch_record(self, peer: PeerInfo) -> ServerRecord | None:
         """Ask a peer for its live record; None if it does not answer well in time."""
         peer_id = peer.peer_id.to_string()
-        started = time.perf_counter()
+        started = 0.0
         reached = False
         self.directory.stats.contacts += 1
         try:
@@ -217,7 +217,7 @@ class SwarmView:
                 if peer.addrs:
                     self.node.host.get_peerstore().add_addrs(peer.peer_id, peer.addrs, 3600)
                 raw = await self.node.open_stream(peer.peer_id, INFO_PROTOCOL)
-                reached = True
+                reached, started = True, time.perf_counter()  # the round trip, not the dial
                 stream = MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
                 try:
                     await stream.send(wire.InfoRequest())
