@@ -134,6 +134,11 @@ class Network:
         if at < len(self._sorted) and self._sorted[at] == kid:
             del self._sorted[at]
 
+    def member_near(self, target: int) -> int:
+        """The DHT member whose id follows `target` (a random member, for a random target)."""
+        at = bisect.bisect_left(self._sorted, target) % len(self._sorted)
+        return self._sorted[at]
+
     def calibrate(self, samples: int = 4000) -> None:
         """Scale round trips so that the median over random pairs is `median_rtt_s`."""
         self._scale = 1.0

@@ -62,6 +62,7 @@ RECHECK_PERIOD_S = 120.0
 RELOOKUP_EVERY = 10
 LOAD_S = 30.0
 STORE_BYTES = 48  # a store or read request's framing besides what it carries
+JOIN_BYTES = 400  # an identify message: keys, addresses, protocols
 
 
 @dataclass(frozen=True)
@@ -140,9 +141,13 @@ class Swarm:
         return server
 
     def bootstrap(self, kid: int) -> tuple[float, float]:
-        """A Kademlia self look-up: the swarm's estimated size and the seconds it took."""
+        """Joining: a connection to an initial peer (a daemon's `--initial-peers`: a dial, and
+        py-libp2p's identify exchange on it), then a Kademlia self look-up; the swarm's
+        estimated size and the seconds both took."""
+        initial = self.net.member_near(self.rng.getrandbits(64))
+        joined = self.net.exchange(kid, initial, JOIN_BYTES, JOIN_BYTES, "join")
         found = self.net.look_up(kid, kid)
-        return self.net.estimate_size(found.closest, kid), found.seconds
+        return self.net.estimate_size(found.closest, kid), joined + found.seconds
 
     def holder_of(self, origin: int, key: int) -> Lookup:
         """Look `key` up from `origin` until a peer that keeps records under it answers."""

@@ -19,7 +19,7 @@ import wire
 from peerd.node.addresses import BadAnnounceAddr, announced_addrs, check_announce
 from peerd.node.p2p import JOINED_PROTOCOL, LEAVING_PROTOCOL, open_node
 from peerd.sdk.terminal import format_status
-from peerd.session.swarm import SwarmView
+from peerd.session.swarm import INFO_TIMEOUT_S, SwarmView
 from routing.records import ServerRecord, info_to_record, record_to_info
 from tests.memnet import TINY_BLOCKS, TINY_MODEL, open_memnet, save_tiny_llama
 
@@ -241,3 +241,45 @@ async def test_a_slow_server_keeps_its_record_and_a_killed_one_leaves_at_the_nex
         # dial was refused is gone now, not two refresh periods later.
         assert set(view.records) == {slow}
         assert slow in view.missed
+
+
+async def test_a_first_view_is_in_once_the_listed_servers_answered_not_the_gone_peers(
+    tiny_llama: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    async with open_memnet() as net:
+        net.serve("listed", blocks.load_span(tiny_llama, 0, TINY_BLOCKS))
+        net.serve("gone", blocks.load_span(tiny_llama, 0, TINY_BLOCKS))
+        listed, gone = net.peer_id("listed"), net.peer_id("gone")
+        client = net.node("client")
+        view = SwarmView(client, TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
+
+        async def candidates(blocks: object = ()) -> dict[str, PeerInfo]:
+            view._listed = {listed}  # the directory lists one; the routing table knows another
+            return {p: PeerInfo(ID.from_base58(p), []) for p in (listed, gone)}
+
+        dial = client.open_stream
+
+        async def open_stream(peer_id: ID, protocol: str) -> object:
+            if peer_id.to_string() == gone:
+                await trio.sleep_forever()  # a peer long gone: no answer until INFO_TIMEOUT_S
+            return await dial(peer_id, protocol)
+
+        view.find_candidates = candidates  # type: ignore[method-assign]
+        client.open_stream = open_stream  # type: ignore[method-assign]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(view.refresh)
+            await view.ready.wait()
+            # Routable before the refresh ends: the gone peer does not hold the first route.
+            assert trio.current_time() < 1.0 and view._refresh_lock.locked()
+            assert set(view.records) == {listed}
+            assert view.directory.stats.first_route_s is not None
+        assert trio.current_time() >= INFO_TIMEOUT_S  # the refresh itself waited for it
+        assert set(view.records) == {listed}
+        # A view that holds servers already is replaced at a refresh's end only.
+        view.records.clear()
+        view.records[gone] = net.server("gone").record()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(view.refresh)
+            await trio.sleep(1.0)
+            assert set(view.records) == {gone}
+        assert listed in view.records  # (and gone too, only slow as far as we know)

@@ -269,6 +269,14 @@ class Node:
 
     # --- telling peers we joined or leave -----------------------------------------------------
 
+    def neighbours(self, also: Iterable[str], limit: int) -> list[ID]:
+        """The peers (base58 ids) `also` names, then those we are connected to and those in
+        our DHT routing table; ourselves left out, at most `limit`."""
+        peers = [ID.from_base58(p) for p in also]
+        peers += self.host.get_connected_peers()
+        peers += self.dht.routing_table.get_peer_ids()
+        return [p for p in dict.fromkeys(peers) if p != self.peer_id][:limit]
+
     async def tell(self, peers: Iterable[ID], protocol: TProtocol, timeout: float) -> int:
         """Open (and at once close) a stream of `protocol` to each of `peers`, a few at a time,
         all within `timeout` seconds; return how many took it. A peer that is gone or does not

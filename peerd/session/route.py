@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Iterable
 
 import torch
 import trio
@@ -300,7 +301,7 @@ class RouteKeeper:
             )
         except NoRouteError as e:
             if trio.current_time() > deadline:
-                why = self.swarm.explain_unreachable(e.missing)
+                why = explain_unreachable(self.swarm, e.missing)
                 raise InferenceFailed(f"{e}; {why}" if why else str(e)) from e
         refused.clear()  # try the busy ones again after a pause
         # A refresh can take long when the DHT nodes are gone (block look-ups time out one by
@@ -349,3 +350,27 @@ class RouteKeeper:
             f"{listed}); start servers with `peerd start --adapters DIR` where DIR's name is "
             f"{adapter!r}"
         )
+
+
+def explain_unreachable(swarm: SwarmView, missing: Iterable[tuple[int, int]]) -> str:
+    """Which servers that held some of the `missing` block ranges are still around as far
+    as we know but could not be reached at our last try, and why ("" if none): a server
+    behind NAT whose relays went away looks gone from here although it still runs."""
+    now = time.time()
+    out = []
+    for peer_id, reason in sorted(swarm.unreachable.items()):
+        record = swarm.last_seen.get(peer_id)
+        if record is None or not any(record.start < b and a < record.end for a, b in missing):
+            continue
+        out.append(
+            f"server {peer_id} (blocks {record.start}:{record.end}, last answered "
+            f"{now - record.updated_at:.0f} s ago) may still run but cannot be reached from "
+            f"here: {reason}"
+        )
+    if not out:
+        return ""
+    return (
+        "; ".join(out) + ". A server behind NAT is reached through relays: it needs a "
+        "reservation on a relay this daemon can reach (`peerd status` on it lists its "
+        "/p2p-circuit addresses), or a public address"
+    )

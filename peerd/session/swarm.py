@@ -12,7 +12,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 import trio
 from libp2p.peer.id import ID
@@ -88,7 +88,7 @@ class SwarmView:
         self.own_record = own_record
         self.records: dict[str, ServerRecord] = {}
         # The last record each server answered with, and why the servers we could not open a
-        # connection to at the last try were out of reach (explain_unreachable).
+        # connection to at the last try were out of reach (peerd.session.route.explain_unreachable).
         self.last_seen: dict[str, ServerRecord] = {}
         self.unreachable: dict[str, str] = {}
         # Servers whose last `info` call failed (no connection, or no answer in time). On a
@@ -117,6 +117,10 @@ class SwarmView:
         # Signed records in the DHT (peerd.session.directory): published by announce, read
         # first by find_candidates; provider keys find the servers it does not list.
         self.directory = Directory(node, model, num_blocks, swarm_name, refresh_period)
+        self._listed: set[str] = set()  # the servers the directory listed at the last read
+        # Set once the view is first worth routing on: at the end of the first refresh, or
+        # sooner when the servers the directory listed cover every block (_first_view).
+        self.ready = trio.Event()
 
     # --- announcing ---------------------------------------------------------------------------
 
@@ -204,6 +208,7 @@ class SwarmView:
             peer = ID.from_base58(peer_id)
             self.node.remember(peer, snapshot.by_peer[peer_id].addrs)
             found.setdefault(peer_id, PeerInfo(peer, []))
+        self._listed = set(wanted)
         return bool(snapshot.records) and not snapshot.uncovered_blocks()
 
     async def fetch_record(self, peer: PeerInfo) -> ServerRecord | None:
@@ -269,10 +274,13 @@ class SwarmView:
         that the servers found through the model key leave uncovered are looked up one by one.
         A known server that was only slow to answer this look-up keeps its record until the
         record expires (two refresh periods and REFRESH_SLACK_S after it last answered); one
-        that refused or reset it leaves now, as does one a request fails on (report_failure)."""
+        that refused or reset it leaves now, as does one a request fails on (report_failure). A
+        first view is in once the servers the directory listed answered, if they cover every
+        block: other peers (routing table, models key), some long gone, join at the end."""
         async with self._refresh_lock:
             fresh: dict[str, ServerRecord] = {}
-            await self._confirm(await self.find_candidates(), fresh)
+            candidates = await self.find_candidates()
+            await self._confirm(candidates, fresh, () if self.records else self._listed)
             snapshot = SwarmSnapshot.from_records(self.model, self.num_blocks, fresh.values())
             if missing := snapshot.uncovered_blocks(states=SELECTION_STATES):
                 await self._confirm(await self.find_candidates(missing), fresh)
@@ -291,16 +299,26 @@ class SwarmView:
             for peer_id in gone:
                 self.rtts.forget(peer_id)
                 self.speeds.forget(peer_id)
+            self.ready.set()
 
     async def _confirm(
-        self, candidates: dict[str, PeerInfo], into: dict[str, ServerRecord]
+        self,
+        candidates: dict[str, PeerInfo],
+        into: dict[str, ServerRecord],
+        first: Collection[str] = (),
     ) -> None:
+        """Every candidate's live record into `into`; once `first` have answered, _first_view."""
         own_id = self.node.peer_id.to_string()
+        awaited = {p for p in first if p in candidates and p != own_id and p not in into}
 
         async def confirm(peer_id: str, info: PeerInfo) -> None:
             record = await self.fetch_record(info)
             if record is not None and not self.has_left(peer_id):
                 into[peer_id] = record
+            if peer_id in awaited:
+                awaited.discard(peer_id)
+                if not awaited:
+                    self._first_view(into)
 
         async with trio.open_nursery() as nursery:
             for peer_id, info in candidates.items():
@@ -308,6 +326,18 @@ class SwarmView:
                     nursery.start_soon(confirm, peer_id, info)
         if (own := self.own_record()) is not None:
             into[own_id] = own
+
+    def _first_view(self, found: dict[str, ServerRecord]) -> None:
+        """While the view is empty, route on `found` (and our own record) if it covers all."""
+        view = dict(found)
+        if (own := self.own_record()) is not None:
+            view[own.peer_id] = own
+        snapshot = SwarmSnapshot.from_records(self.model, self.num_blocks, view.values())
+        if not self.records and not snapshot.uncovered_blocks(states=SELECTION_STATES):
+            self.records = view
+            self._remember_seen(view)
+            self.directory.stats.route_found()
+            self.ready.set()
 
     # --- joining and leaving ------------------------------------------------------------------
 
@@ -322,23 +352,16 @@ class SwarmView:
     async def _heard_leave_from(self, peer: ID) -> None:
         self.heard_leave(peer.to_string())
 
-    def _neighbours(self) -> list[ID]:
-        """The peers to tell that we joined or leave: the servers in our view, the peers we are
-        connected to and those in our DHT routing table."""
-        own = self.node.peer_id
-        peers = [ID.from_base58(p) for p in self.records]
-        peers += self.node.host.get_connected_peers()
-        peers += self.node.dht.routing_table.get_peer_ids()
-        return [p for p in dict.fromkeys(peers) if p != own][:MAX_TOLD]
-
     async def tell_joined(self) -> int:
-        """Tell the peers we know that we are online (each then asks us for our record);
-        return how many were told."""
-        return await self.node.tell(self._neighbours(), JOINED_PROTOCOL, TELL_TIMEOUT_S)
+        """Tell the servers in our view and our other neighbours that we are online (each then
+        asks us for our record); return how many were told."""
+        peers = self.node.neighbours(self.records, MAX_TOLD)
+        return await self.node.tell(peers, JOINED_PROTOCOL, TELL_TIMEOUT_S)
 
     async def tell_leaving(self) -> int:
-        """Tell the peers we know that we are leaving: they drop us from their views at once."""
-        return await self.node.tell(self._neighbours(), LEAVING_PROTOCOL, TELL_TIMEOUT_S)
+        """Tell them that we are leaving: they drop us from their views at once."""
+        peers = self.node.neighbours(self.records, MAX_TOLD)
+        return await self.node.tell(peers, LEAVING_PROTOCOL, TELL_TIMEOUT_S)
 
     def has_left(self, peer_id: str) -> bool:
         """The server told us it leaves, less than 2 refresh periods ago."""
@@ -407,29 +430,6 @@ class SwarmView:
             if now - record.updated_at > LOST_SERVER_MEMORY_S:
                 del self.last_seen[peer_id]
                 self.unreachable.pop(peer_id, None)
-
-    def explain_unreachable(self, missing: Iterable[tuple[int, int]]) -> str:
-        """Which servers that held some of the `missing` block ranges are still around as far
-        as we know but could not be reached at our last try, and why ("" if none): a server
-        behind NAT whose relays went away looks gone from here although it still runs."""
-        now = time.time()
-        out = []
-        for peer_id, reason in sorted(self.unreachable.items()):
-            record = self.last_seen.get(peer_id)
-            if record is None or not any(record.start < b and a < record.end for a, b in missing):
-                continue
-            out.append(
-                f"server {peer_id} (blocks {record.start}:{record.end}, last answered "
-                f"{now - record.updated_at:.0f} s ago) may still run but cannot be reached from "
-                f"here: {reason}"
-            )
-        if not out:
-            return ""
-        return (
-            "; ".join(out) + ". A server behind NAT is reached through relays: it needs a "
-            "reservation on a relay this daemon can reach (`peerd status` on it lists its "
-            "/p2p-circuit addresses), or a public address"
-        )
 
     def report_failure(self, peer_id: str) -> None:
         """A server failed us: drop it from the view at once and ban it with backoff (the next
