@@ -111,7 +111,7 @@ class _Client:
         fetched = self._fetch()
         route = self._contact(*self._believe(fetched))
         if route is None and self.spare:  # what answered leaves a block unserved: read more
-            fetched += self._read(self.spare)
+            fetched += self._read(self.spare, fetched)
             snapshot, estimates = self._believe(fetched)
             route = self._confirm_more(snapshot, estimates, None)
         self.out.contacts = len(self.asked)
@@ -129,11 +129,13 @@ class _Client:
         estimates = {p: estimated_rtt(own, c) for p, c in believed.coords.items()}
         return believed.snapshot, estimates
 
-    def _read(self, keys: list[bytes]) -> list[SignedRecord]:
+    def _read(
+        self, keys: list[bytes], have: list[SignedRecord] | None = None
+    ) -> list[SignedRecord]:
         """Read the shards under `keys` side by side (the slowest read counts), each as the
         daemon reads one (peerd.session.directory): a Kademlia look-up of the key's closest
         peers, then READ_HOLDERS of its REPLICAS holders asked side by side, and the others
-        too when what those hold leaves a block unserved."""
+        too when what those hold, with what we `have`, leaves a block unserved."""
         fetched: list[SignedRecord] = []
         slowest = 0.0
         out = self.out
@@ -149,7 +151,7 @@ class _Client:
             seconds = found.seconds
             for group in (holders[:READ_HOLDERS], holders[READ_HOLDERS:]):
                 seconds += max((self._ask_holder(h, key, fetched) for h in group), default=0.0)
-                if not self._uncovered(fetched):
+                if not self._uncovered([*(have or ()), *fetched]):
                     break
             slowest = max(slowest, seconds)
         out.first_route_s += slowest
@@ -190,13 +192,13 @@ class _Client:
             )
             for cell in cells_around(swarm.net.coords(self.kid))
         ]
-        fetched += self._read(lanes)
+        fetched += self._read(lanes, fetched)
         # More of the whole swarm: other shards, then shards of the other levels (other holders).
         more = [(i, shards) for i in order[1:]]
         more += [(swarm.rng.randrange(n), n) for n in shard_levels(shards) if n != shards]
         self.spare = [shard_key(MODEL, index, count) for index, count in more[:MORE_SHARDS]]
         while self.spare and self._uncovered(fetched):
-            fetched += self._read([self.spare.pop(0)])
+            fetched += self._read([self.spare.pop(0)], fetched)
         return fetched
 
     def _contact(self, snapshot: SwarmSnapshot, estimates: dict[str, float]) -> Route | None:

@@ -248,10 +248,8 @@ class Daemon:
                     nursery.start_soon(join_discovered_peers, node)
                 nursery.start_soon(self._reachability_forever, nursery)
                 self.models.start(nursery)
-                # Serving and the local API start once the first refresh's view is worth routing
-                # on (peerd.session.swarm.SwarmView.ready), maybe before that refresh ends.
                 nursery.start_soon(self.swarm.refresh)
-                await self.swarm.ready.wait()
+                await self.swarm.ready.wait()  # routable, maybe before that refresh ends
                 if config.blocks is not None:
                     await self._start_serving(nursery)
                 nursery.start_soon(self.swarm.run)
