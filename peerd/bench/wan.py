@@ -106,9 +106,25 @@ def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
     return spans, statistics.median(times)
 
 
+def _tcp_rtt(addrs: list[Any], tries: int = 7) -> float:
+    """The median time of a TCP connect (SYN, SYN-ACK: one round trip, the kernel's alone) to
+    each of `addrs` (/ip4/.../tcp/... multiaddrs), over every try."""
+    import socket
+
+    times = []
+    for addr in addrs:
+        ip, port = addr.value_for_protocol("ip4"), int(addr.value_for_protocol("tcp"))
+        for _ in range(tries):
+            started = time.perf_counter()
+            socket.create_connection((ip, port), timeout=10).close()
+            times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
 def _inner(initial_peer: str, listen: str, new_tokens: int, runs: int) -> dict[str, Any]:
     import torch
     import trio
+    from libp2p.peer.id import ID
 
     from peerd.bench.swarm import PROMPT, _swarm_run
     from peerd.session.leech import open_leech
@@ -128,12 +144,18 @@ def _inner(initial_peer: str, listen: str, new_tokens: int, runs: int) -> dict[s
                     latency[push].append(1.0 / tps)
             route = leech.swarm.plan()
             spans_s, client_s = await trio.to_thread.run_sync(_compute_per_token, leech.client)
+            store = leech.node.host.get_peerstore()
+            addrs = [a for hop in route for a in store.addrs(ID.from_base58(hop.peer_id))[:1]]
+            link_rtt_s = await trio.to_thread.run_sync(_tcp_rtt, addrs)
         compute_s = sum(spans_s) + client_s
         rows: list[dict[str, Any]] = []
         for push in (True, False):
             network_s = one_way_delays(push, len(route)) * DELAY_MS / 1000
             token_s = statistics.median(latency[push])
             floor_s = network_s + compute_s
+            # The same floor with each leg's delay as the links realise it (half a TCP connect's
+            # round trip from the client to the route's servers): what the emulator adds.
+            measured_s = one_way_delays(push, len(route)) * link_rtt_s / 2 + compute_s
             rows.append(
                 {
                     "push": push,
@@ -141,6 +163,8 @@ def _inner(initial_peer: str, listen: str, new_tokens: int, runs: int) -> dict[s
                     "floor_s": floor_s,
                     "ratio": token_s / floor_s,
                     "network_s": network_s,
+                    "floor_on_measured_links_s": measured_s,
+                    "ratio_on_measured_links": token_s / measured_s,
                     "all_token_latencies_s": latency[push],
                 }
             )
@@ -149,6 +173,7 @@ def _inner(initial_peer: str, listen: str, new_tokens: int, runs: int) -> dict[s
             "push_saves_s": rows[1]["token_latency_s"] - rows[0]["token_latency_s"],
             "compute_per_span_s": spans_s,
             "client_compute_s": client_s,
+            "link_rtt_s": link_rtt_s,
             "route": [f"{hop.start}:{hop.end}@{hop.peer_id[-8:]}" for hop in route],
             "new_tokens": new_tokens,
             "runs": runs,
