@@ -240,14 +240,13 @@ def scrape_in(netns: str, port: int, timeout: float = 30.0) -> dict[str, float]:
 
 
 def tcp_rtts(netns: str, addresses: Sequence[tuple[str, int]]) -> list[float]:
-    """From inside `netns`, the seconds a TCP connect to each address takes: one round trip
-    (SYN, SYN-ACK), what the links' delays realise, without the daemons' own work."""
+    """From inside `netns`, the seconds a TCP connect to each address takes
+    (peerd.devtools.netns.connect_seconds)."""
     probe = (
-        "import socket, sys, time\n"
-        "for a in sys.argv[1:]:\n"
-        "    ip, port = a.rsplit(':', 1); t = time.perf_counter()\n"
-        "    socket.create_connection((ip, int(port)), timeout=10).close()\n"
-        "    print(time.perf_counter() - t)"
+        "import sys\n"
+        "from peerd.devtools.netns import connect_seconds\n"
+        "pairs = [(a.rsplit(':', 1)[0], int(a.rsplit(':', 1)[1])) for a in sys.argv[1:]]\n"
+        "print(*connect_seconds(pairs), sep='\\n')"
     )
     out = python_in(netns, probe, *(f"{ip}:{port}" for ip, port in addresses))
     return [float(line) for line in out.split()]

@@ -107,18 +107,12 @@ def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
 
 
 def _tcp_rtt(addrs: list[Any], tries: int = 7) -> float:
-    """The median time of a TCP connect (SYN, SYN-ACK: one round trip, the kernel's alone) to
-    each of `addrs` (/ip4/.../tcp/... multiaddrs), over every try."""
-    import socket
+    """The median TCP connect time (peerd.devtools.netns.connect_seconds) to `addrs`
+    (/ip4/.../tcp/... multiaddrs), over every try."""
+    from peerd.devtools.netns import connect_seconds
 
-    times = []
-    for addr in addrs:
-        ip, port = addr.value_for_protocol("ip4"), int(addr.value_for_protocol("tcp"))
-        for _ in range(tries):
-            started = time.perf_counter()
-            socket.create_connection((ip, port), timeout=10).close()
-            times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    pairs = [(a.value_for_protocol("ip4"), int(a.value_for_protocol("tcp"))) for a in addrs]
+    return statistics.median(connect_seconds(pairs, tries))
 
 
 def _inner(initial_peer: str, listen: str, new_tokens: int, runs: int) -> dict[str, Any]:

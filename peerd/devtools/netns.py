@@ -16,9 +16,11 @@ import enum
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 PREFIX = "pdn"
@@ -264,6 +266,19 @@ class Topology:
             _delete_namespace(name)
         self.namespaces.clear()
         self.hosts.clear()
+
+
+def connect_seconds(addresses: Iterable[tuple[str, int]], tries: int = 1) -> list[float]:
+    """The seconds each TCP connect from here to `addresses` takes, `tries` times each in turn:
+    one round trip (SYN, SYN-ACK, the kernel's alone), what the links' delays realise without
+    any daemon's work."""
+    times = []
+    for ip, port in addresses:
+        for _ in range(tries):
+            started = time.perf_counter()
+            socket.create_connection((ip, port), timeout=10).close()
+            times.append(time.perf_counter() - started)
+    return times
 
 
 @contextlib.contextmanager
