@@ -4,7 +4,7 @@ and routing.simulate measures at 10,000 peers, over py-libp2p's Kademlia.
 A server signs its record (routing.discovery.sign_record, with its libp2p key) every refresh
 period and stores it at the REPLICAS DHT peers closest to its shard's key, at each of
 `shard_levels` of the swarm's size as its view estimates it: a Kademlia look-up of the key
-(py-libp2p's `find_closest_peers_network`), then one RECORDS_PROTOCOL request per holder.
+(`peerd.node.lookup.closest_peers`), then one RECORDS_PROTOCOL request per holder.
 
 Every daemon is such a holder for the keys it is closest to: `RecordBoard` keeps a
 routing.record_store.RecordShard per key, and believes a record only if its own peer signed it
@@ -44,6 +44,7 @@ from libp2p.kad_dht.utils import sort_peer_ids_by_distance
 from libp2p.peer.id import ID
 
 import wire
+from peerd.node.lookup import closest_peers
 from peerd.node.p2p import Node
 from peerd.node.streams import MessageStream, PeerGone
 from peerd.session.hops import DIAL_FAULTS, PEER_FAULTS
@@ -214,7 +215,7 @@ _counting: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
 
 
 def count_lookup_queries(node: Node) -> None:
-    """Count the Kademlia queries each of our look-ups sends: py-libp2p's iterative look-up
+    """Count the Kademlia queries each of our look-ups sends: our look-up (peerd.node.lookup)
     asks one peer at a time through `_query_peer_for_closest`; wrapped once per node."""
     routing = node.dht.peer_routing
     query: Callable[..., Awaitable[list[ID]]] = routing._query_peer_for_closest
@@ -298,7 +299,7 @@ class Directory:
         found: list[ID] = []
         try:
             with trio.move_on_after(LOOKUP_TIMEOUT_S):
-                found = await self.node.dht.peer_routing.find_closest_peers_network(key, count)
+                found = await closest_peers(self.node, key, count)
         except Exception as e:  # a DHT hiccup: no holders this time
             log.debug("look-up of %s failed: %s", key.hex()[:12], e)
         finally:
