@@ -16,9 +16,11 @@ Kademlia: 64-bit ids (the first 8 bytes of the sha-256 of the peer id), k = 20, 
 peer's routing table is drawn lazily from the membership: for each prefix length i it knows k
 members of the subtree that shares i bits with it and differs in bit i (all of them when there
 are fewer), and keeps them until fewer than half are left (departed peers are dropped as if
-their failure had been noticed). A look-up asks alpha peers at a time for the k
-closest they know, as py-libp2p's does, and stops when a round brings nobody closer and the
-alpha closest it knows have answered, or when it reaches a peer holding the value it looks for.
+their failure had been noticed). A look-up is the daemon's (peerd.node.lookup): the alpha
+closest peers it knows are asked for the k closest they know, each answer taken as it comes
+(a peer an answer makes one of the alpha closest is asked at once, no round waits for its
+slowest query), until the alpha closest known have all answered, or until it reaches a peer
+holding the value it looks for. A client (not a DHT member) starts from the peers it knows.
 """
 
 from __future__ import annotations
@@ -244,46 +246,58 @@ class Network:
         self._tables[(node, bit)] = known
         return known
 
+    def known(self, origin: int) -> frozenset[int] | None:
+        """The peers a client knows (those it has dialled); None for a DHT member, which
+        knows its routing table."""
+        links = self._links.get(origin)
+        return None if links is None else frozenset(links)
+
     def look_up(
-        self, origin: int, target: int, holds: Callable[[int], int] | None = None
+        self,
+        origin: int,
+        target: int,
+        holds: Callable[[int], int] | None = None,
+        start: frozenset[int] | None = None,
     ) -> Lookup:
         """An iterative look-up from `origin`; `holds(kid)` is the size of the value a peer
-        holds under target (0: none), when looking for a value."""
-        shortlist = [p for p in self.known_closest(origin, target) if p != origin]
+        holds under target (0: none), when looking for a value. A client's look-up starts from
+        the peers it knew when it began (`start`, what `known` said then: look-ups side by
+        side do not learn from each other), a member's from its routing table."""
+        if start is not None:
+            alive = (kid for kid in start if kid in self.peers)
+            first = heapq.nsmallest(K, alive, key=lambda kid: kid ^ target)
+        else:
+            first = self.known_closest(origin, target)
+        shortlist = [p for p in first if p != origin]
         queried: set[int] = {origin}
+        depth = dict.fromkeys(shortlist, 1)  # a peer named by a reply is one hop further
+        flying: list[tuple[float, int]] = []  # (when its answer is in, peer)
         messages = size = hops = 0
-        seconds = 0.0
+        now = 0.0
         while True:
-            ask = [p for p in shortlist if p not in queried][:ALPHA]
-            if not ask:
-                break
-            hops += 1
-            best_before = shortlist[0] ^ target if shortlist else math.inf
-            round_s = 0.0
-            for peer in ask:
+            for peer in [p for p in shortlist[:ALPHA] if p not in queried]:
                 queried.add(peer)
                 value = holds(peer) if holds else 0
                 reply = value or K * PEER_ENTRY_BYTES
-                round_s = max(
-                    round_s, self.exchange(origin, peer, REQUEST_BYTES, reply, "kademlia")
-                )
+                took = self.exchange(origin, peer, REQUEST_BYTES, reply, "kademlia")
+                heapq.heappush(flying, (now + took, peer))
                 messages += 2
                 size += REQUEST_BYTES + reply
-                if value:
-                    return Lookup(shortlist, peer, messages, size, hops, seconds + round_s)
-                shortlist = heapq.nsmallest(
-                    K,
-                    set(shortlist) | set(self.known_closest(peer, target)) - {origin},
-                    key=lambda kid: kid ^ target,
-                )
-            seconds += round_s
-            # Done when a round brought nobody closer and the ALPHA closest have all answered
-            # (stopping at the first round without progress leaves the closest unasked, and
-            # peers storing under one key would each pick different replicas).
-            settled = all(p in queried for p in shortlist[:ALPHA])
-            if shortlist and shortlist[0] ^ target >= best_before and settled:
+            if not flying:
                 break
-        return Lookup(shortlist, None, messages, size, hops, seconds)
+            now, peer = heapq.heappop(flying)
+            hops = max(hops, depth[peer])
+            if holds and holds(peer):
+                return Lookup(shortlist, peer, messages, size, hops, now)
+            named = set(self.known_closest(peer, target)) - {origin}
+            for kid in named - set(depth):
+                depth[kid] = depth[peer] + 1
+            shortlist = heapq.nsmallest(K, set(shortlist) | named, key=lambda kid: kid ^ target)
+            # Done once the ALPHA closest known have all answered: answers still on their way
+            # come from farther peers (and peers storing under one key pick the same replicas).
+            if all(p in queried and p not in (f[1] for f in flying) for p in shortlist[:ALPHA]):
+                break
+        return Lookup(shortlist, None, messages, size, hops, now)
 
     def estimate_size(self, closest: list[int], target: int) -> float:
         """Network size estimated from the k closest ids to target a look-up found."""

@@ -23,6 +23,7 @@ from routing.discovery import (
     buckets_of_span,
     cell_of,
     open_record,
+    seconds_per_block,
     shard_of,
 )
 from routing.records import ServerRecord
@@ -130,6 +131,14 @@ class RecordShard:
             if wanted.intersection(buckets_of_span(record.start, record.end))
         ]
 
+    def fastest(self, now: float, limit: int) -> list[SignedRecord]:
+        """The `limit` records kept whose servers rank first by `seconds_per_block` (their own
+        word, signed): what a client reading a lane asks for, so that a lane it sized too big
+        costs it no more bytes."""
+        self.expire(now)
+        ranked = sorted(self._kept.values(), key=lambda kept: _rank(kept[1]))
+        return [signed for _, signed in ranked[:limit]]
+
     def changes_since(self, since: float, now: float) -> Changes:
         """What changed after `since` (the reader's last read, on our clock); the whole shard
         when we cannot tell (a first read, or one older than what we remember)."""
@@ -144,3 +153,8 @@ class RecordShard:
 
     def __len__(self) -> int:
         return len(self._kept)
+
+
+def _rank(signed: SignedRecord) -> float:
+    record, coords = authentic(signed)
+    return seconds_per_block(record, coords)

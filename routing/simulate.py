@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -63,6 +64,29 @@ RELOOKUP_EVERY = 10
 LOAD_S = 30.0
 STORE_BYTES = 48  # a store or read request's framing besides what it carries
 JOIN_BYTES = 400  # an identify message: keys, addresses, protocols
+HINT_CELL_BYTES = 8  # a locality cell and its count in a Hint
+HINT_MIN_RECORDS = 16  # servers with coordinates a Hint's sample must hold to size lanes by
+
+
+@dataclass(frozen=True)
+class Hint:
+    """What a server tells a client that joins through it: the swarm's size as it estimates
+    it, and how many servers of its sample (1/`shards` of the swarm) lie in each locality cell.
+    A client sizes the lanes it reads with it (`cell_servers`) instead of waiting for a shard
+    of its own; it is the initial peer's word, checked against the client's own shard."""
+
+    estimate: float
+    census: Counter[Cell]
+    shards: int
+
+    @property
+    def usable(self) -> bool:
+        """Whether the sample is big enough to size lanes by (a server just joined has none)."""
+        return self.census.total() >= HINT_MIN_RECORDS
+
+    def cell_servers(self, cell: Cell) -> float:
+        """The servers in `cell`: its share of the sample, of the swarm's estimated size."""
+        return self.estimate * max(1, self.census[cell]) / max(1, self.census.total())
 
 
 @dataclass(frozen=True)
@@ -139,6 +163,19 @@ class Swarm:
         self.servers[peer.kid] = server
         self.stores[peer.kid] = {}
         return server
+
+    def welcome(self, kid: int) -> tuple[Hint, float]:
+        """A client joining: a connection to an initial peer, whose first request asks what it
+        knows of the swarm (`Hint`); the hint and the seconds it took."""
+        initial = self.net.member_near(self.rng.getrandbits(64))
+        server = self.servers[initial]
+        hint = Hint(
+            server.estimate,
+            Counter(cell_of(c) for p, c in server.view_coords.items() if p in server.view),
+            server.view_key[1],
+        )
+        size = JOIN_BYTES + HINT_CELL_BYTES * len(hint.census)
+        return hint, self.net.exchange(kid, initial, STORE_BYTES, size, "join")
 
     def bootstrap(self, kid: int) -> tuple[float, float]:
         """Joining: a connection to an initial peer (a daemon's `--initial-peers`: a dial, and

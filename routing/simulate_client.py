@@ -2,16 +2,20 @@
 routing.discovery, as a daemon would, and what it cost: time, messages, bytes, and the route's
 cost against the offline optimum.
 
-Bootstrap (a Kademlia self look-up, which also estimates the swarm's size); read one shard of
-the whole swarm; read, in each of the 2x2 locality cells around us (`cells_around`), the lane
-that holds about `lane_records` of the cell's fastest servers (`lane_tier`, the cell's size from
-the first shard's census), look-ups side by side; read more shards of the whole swarm while a
-block has no server in what we read. Plan `choose_contacts` with RTTs estimated from the
-coordinates in the records, call `info` on them (measured RTT; a departed server does not
-answer; a record its server no longer backs is dropped, `confirmed_record`), then ask the
-servers not yet asked that the route over the answers and the estimates still wants
-(`servers_to_confirm`), and route over the confirmed records with the measured RTTs. If the
-answers leave a block unserved, read the rest of those shards and ask again.
+Join through an initial peer, whose first answer is a `Hint`: the swarm's size as it estimates
+it and how its sample of the swarm spreads over locality cells. Then, side by side, read one
+shard of the whole swarm and, in each of the 2x2 locality cells around us (`cells_around`), the
+lane that holds about `lane_records` of the cell's fastest servers (`lane_tier`, the cell's size
+from the hint). An initial peer that knows too little to size lanes by (it just joined) gives
+way to a self look-up for the size, then the lanes after the shard, sized by its census. Read
+more shards of the whole swarm while a block has no server in what we read. Our look-ups start
+from the peers we know (at first, the initial peer), not from a routing table we never filled.
+Plan `choose_contacts` with RTTs estimated from the coordinates in the records, call `info` on
+them (measured RTT; a departed server does not answer; a record its server no longer backs is
+dropped, `confirmed_record`), then ask the servers not yet asked that the route over the answers
+and the estimates still wants (`servers_to_confirm`), and route over the confirmed records with
+the measured RTTs. If the answers leave a block unserved, read the rest of those shards and ask
+again.
 
 Cost is what routing.planner charges (RTT plus compute per hop, credible throughputs of the
 whole swarm) with the true RTTs, for the client's route and for the route planned over every
@@ -22,11 +26,13 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from routing.chains import Route
 from routing.discovery import (
     MAX_CONTACTS,
+    Cell,
     SignedRecord,
     authentic,
     believe,
@@ -41,7 +47,7 @@ from routing.discovery import (
     shard_key,
     shard_levels,
 )
-from routing.netsim import DIAL_RTTS, STREAM_RTTS, kad_id
+from routing.netsim import DIAL_RTTS, STREAM_RTTS, Lookup, kad_id
 from routing.planner import DEFAULT_RTT_S, NoRouteError, plan_route, route_cost
 from routing.records import ServerRecord, SwarmSnapshot
 from routing.simulate import MODEL, REPLICAS, STORE_BYTES, Swarm
@@ -66,6 +72,12 @@ REPLAN_ROUNDS = 3
 CONTACT_ROUNDS = 3
 # Holders of a shard asked at first (the daemon's, peerd.session.directory).
 READ_HOLDERS = 2
+# Holders of a lane asked (a lane is a part of a cell; what its holder withholds, the shard and
+# the other lanes make up for, at worse routes, never wrong ones).
+LANE_HOLDERS = 1
+# A lane's holder sends its fastest LANE_LIMIT x lane_records servers at most (a lane sized
+# from a few servers of a sample can hold up to RECORDS_PER_SHARD).
+LANE_LIMIT = 2
 # Shards of the whole swarm a client reads more when what it read leaves a block unserved.
 MORE_SHARDS = 3
 
@@ -111,7 +123,7 @@ class _Client:
         fetched = self._fetch()
         route = self._contact(*self._believe(fetched))
         if route is None and self.spare:  # what answered leaves a block unserved: read more
-            fetched += self._read(self.spare, fetched)
+            fetched += _flat(self._read(self.spare, fetched))
             snapshot, estimates = self._believe(fetched)
             route = self._confirm_more(snapshot, estimates, None)
         self.out.contacts = len(self.asked)
@@ -130,38 +142,68 @@ class _Client:
         return believed.snapshot, estimates
 
     def _read(
-        self, keys: list[bytes], have: list[SignedRecord] | None = None
-    ) -> list[SignedRecord]:
-        """Read the shards under `keys` side by side (the slowest read counts), each as the
-        daemon reads one (peerd.session.directory): a Kademlia look-up of the key's closest
-        peers, then READ_HOLDERS of its REPLICAS holders asked side by side, and the others
-        too when what those hold, with what we `have`, leaves a block unserved."""
-        fetched: list[SignedRecord] = []
+        self,
+        keys: list[bytes],
+        have: list[SignedRecord] | None = None,
+        lanes: list[bytes] | None = None,
+    ) -> list[list[SignedRecord]]:
+        """Read the shards under `keys` and the `lanes` side by side (the slowest read counts),
+        each as the daemon reads one (peerd.session.directory): a Kademlia look-up of the key's
+        closest peers, then READ_HOLDERS of its REPLICAS holders asked side by side, and for a
+        shard of the whole swarm the others too when what those hold, with what we `have`,
+        leaves a block unserved (a lane is a part of a cell by design). The records read, key
+        by key, lanes last."""
+        read: list[list[SignedRecord]] = []
         slowest = 0.0
-        out = self.out
-        for name in keys:
-            key = kad_id(name)
-            found = self.swarm.net.look_up(self.kid, key)
-            out.lookups += 1
-            out.lookup_messages += found.messages
-            out.lookup_hops += found.hops
-            out.messages += found.messages
-            out.bytes += found.bytes
-            holders = found.closest[:REPLICAS]
+        out, net = self.out, self.swarm.net
+        start = net.known(self.kid)  # look-ups side by side start from what we know now
+        for name in [*keys, *(lanes or ())]:
+            key, whole = kad_id(name), name in keys
+            fetched: list[SignedRecord] = []
+            found = net.look_up(self.kid, key, start=start)
+            self._count(found)
+            holders = found.closest[: REPLICAS if whole else LANE_HOLDERS]
             seconds = found.seconds
             for group in (holders[:READ_HOLDERS], holders[READ_HOLDERS:]):
-                seconds += max((self._ask_holder(h, key, fetched) for h in group), default=0.0)
-                if not self._uncovered([*(have or ()), *fetched]):
+                seconds += max(
+                    (self._ask_holder(h, key, fetched, not whole) for h in group), default=0.0
+                )
+                if not whole or not self._uncovered([*(have or ()), *fetched]):
                     break
             slowest = max(slowest, seconds)
+            read.append(fetched)
         out.first_route_s += slowest
-        return fetched
+        return read
 
-    def _ask_holder(self, holder: int, key: int, into: list[SignedRecord]) -> float:
-        """The records `holder` keeps under `key`, added to `into`; the seconds it took."""
+    def _count(self, found: Lookup) -> None:
+        out = self.out
+        out.lookups += 1
+        out.lookup_messages += found.messages
+        out.lookup_hops += found.hops
+        out.messages += found.messages
+        out.bytes += found.bytes
+
+    def _lanes(self, cell_servers: Callable[[Cell], float]) -> list[bytes]:
+        """The lane keys to read: in each cell around us, the tier holding about lane_records
+        of its fastest servers (the cell holding about `cell_servers(cell)`)."""
+        records = self.swarm.lane_records
+        cells = cells_around(self.swarm.net.coords(self.kid))
+        tiers = [lane_tier(cell_servers(cell), records) for cell in cells]
+        return [shard_key(MODEL, 0, 1, cell=c, tier=t) for c, t in zip(cells, tiers, strict=True)]
+
+    def _ask_holder(
+        self, holder: int, key: int, into: list[SignedRecord], lane: bool = False
+    ) -> float:
+        """The records `holder` keeps under `key` (of a lane, the LANE_LIMIT x lane_records
+        fastest), added to `into`; the seconds it took."""
         swarm, out = self.swarm, self.out
         shard = swarm.stores.get(holder, {}).get(key)
-        records = shard.records(swarm.now) if shard is not None else []
+        if shard is None:
+            records = []
+        elif lane:
+            records = shard.fastest(swarm.now, LANE_LIMIT * swarm.lane_records)
+        else:
+            records = shard.records(swarm.now)
         size = sum(len(r) for r in records) + 16
         out.messages += 2
         out.bytes += STORE_BYTES + size
@@ -174,31 +216,36 @@ class _Client:
         return bool(served.uncovered_blocks())
 
     def _fetch(self) -> list[SignedRecord]:
-        """Bootstrap, one shard of the whole swarm, the lanes of the cells around us, and more
-        shards of the whole swarm while a block has no server in what we read."""
-        swarm = self.swarm
-        estimate, self.out.first_route_s = swarm.bootstrap(self.kid)
+        """Join; one shard of the whole swarm and the lanes of the cells around us, side by side
+        when the initial peer's hint sizes the lanes, else the lanes after the shard, sized by
+        its census (and the swarm's size from a self look-up first); then more shards of the
+        whole swarm while a block has no server in what we read."""
+        swarm, net = self.swarm, self.swarm.net
+        hint, self.out.first_route_s = swarm.welcome(self.kid)
+        estimate = hint.estimate
+        if not hint.usable:  # the initial peer knows little of the swarm yet: look ourselves
+            found = net.look_up(self.kid, self.kid, start=net.known(self.kid))
+            self._count(found)
+            estimate, self.out.first_route_s = (
+                net.estimate_size(found.closest, self.kid),
+                self.out.first_route_s + found.seconds,
+            )
         shards = shard_count(estimate)
         order = swarm.rng.sample(range(shards), min(shards, 1 + MORE_SHARDS))
-        fetched = self._read([shard_key(MODEL, order[0], shards)])
-        census = Counter(cell_of(c) for s in fetched if (c := authentic(s)[1]) is not None)
-        lanes = [
-            shard_key(
-                MODEL,
-                0,
-                1,
-                cell=cell,
-                tier=lane_tier(max(1, census[cell]) * shards, swarm.lane_records),
-            )
-            for cell in cells_around(swarm.net.coords(self.kid))
-        ]
-        fetched += self._read(lanes, fetched)
+        shard = [shard_key(MODEL, order[0], shards)]
+        if hint.usable:
+            first, *lanes = self._read(shard, lanes=self._lanes(hint.cell_servers))
+        else:
+            first = self._read(shard)[0]
+            census = Counter(cell_of(c) for s in first if (c := authentic(s)[1]) is not None)
+            lanes = self._read([], lanes=self._lanes(lambda cell: max(1, census[cell]) * shards))
+        fetched = [s for records in (first, *lanes) for s in records]
         # More of the whole swarm: other shards, then shards of the other levels (other holders).
         more = [(i, shards) for i in order[1:]]
         more += [(swarm.rng.randrange(n), n) for n in shard_levels(shards) if n != shards]
         self.spare = [shard_key(MODEL, index, count) for index, count in more[:MORE_SHARDS]]
         while self.spare and self._uncovered(fetched):
-            fetched += self._read([self.spare.pop(0)], fetched)
+            fetched += _flat(self._read([self.spare.pop(0)], fetched))
         return fetched
 
     def _contact(self, snapshot: SwarmSnapshot, estimates: dict[str, float]) -> Route | None:
@@ -319,6 +366,10 @@ def cost_vs_optimum(route: Route, truth: SwarmSnapshot, rtts: dict[str, float]) 
     best = plan_route(_pareto(truth, rtts, credible), rtts=rtts)
     mine = route_cost(route, rtts=rtts, throughputs=credible)
     return mine / route_cost(best, rtts=rtts, throughputs=credible)
+
+
+def _flat(read: list[list[SignedRecord]]) -> list[SignedRecord]:
+    return [signed for records in read for signed in records]
 
 
 def _measured(answers: Answers) -> dict[str, tuple[float, ServerRecord]]:
