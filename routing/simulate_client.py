@@ -67,7 +67,7 @@ PATIENCE_S = 0.05
 # `info` calls a client makes at first; then, REPLAN_ROUNDS times at most, the servers the route
 # over the answers still wants (`servers_to_confirm`), MAX_CONTACTS in all (CONTACT_ROUNDS times
 # as many while the answers leave a block unserved).
-FIRST_CONTACTS = 16
+FIRST_CONTACTS = MAX_CONTACTS
 REPLAN_ROUNDS = 3
 CONTACT_ROUNDS = 3
 # Holders of a shard asked at first (the daemon's, peerd.session.directory).
