@@ -30,7 +30,7 @@ from peerd.session.directory import (
     Directory,
     RecordBoard,
 )
-from routing.discovery import SignedRecord, authentic, shard_of, sign_record
+from routing.discovery import SignedRecord, authentic, shard_count, shard_of, sign_record
 from routing.records import ServerRecord
 from tests.memnet import stream_pair
 from tests.test_routing_fixtures import MODEL, make_record
@@ -275,3 +275,25 @@ async def test_a_look_up_s_holders_serve_until_they_age_or_one_fails(
     await directory.holders(key, 3)
     await directory.holders(key, 3)
     assert len(lookups) == 5
+
+
+async def test_a_daemon_new_to_a_big_swarm_reads_at_the_size_its_look_up_found() -> None:
+    """A daemon knowing no servers shards by 1; when that read finds nobody and its look-ups
+    say the DHT holds thousands, it reads again at their shard count, and publishes at it."""
+    me = ID.from_base58(peer_of(create_new_key_pair()))
+    node: Any = type("N", (), {"peer_id": me, "dht": type("D", (), {"mode": DHTMode.SERVER})})
+    directory = Directory(node, MODEL, 30)
+    keys = create_new_key_pair()
+    signed = sign_record(record_of(keys, 0, 30), keys.private_key)
+    read: list[int] = []
+
+    async def read_shard(shard: int, shards: int) -> list[SignedRecord]:
+        read.append(shards)
+        directory.sizes.append(10_000.0)  # what the look-up of that key found
+        return [signed] if shards == shard_count(10_000) else []
+
+    directory.read_shard = read_shard  # type: ignore[method-assign]
+    believed = await directory.read(estimated_servers=0)
+    assert read == [1, shard_count(10_000)]
+    assert [r.peer_id for r in believed.snapshot.records] == [peer_of(keys)]
+    assert directory.estimate(3) == 10_000.0 and directory.estimate(20_000) == 20_000.0

@@ -12,8 +12,10 @@ look-up (`Network.look_up`).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+from typing import NamedTuple
 
 import trio
 from libp2p.kad_dht.utils import sort_peer_ids_by_distance
@@ -30,7 +32,15 @@ KNOWN = 20
 FEW_KNOWN = 5
 
 
-async def closest_peers(node: Node, key: bytes, count: int) -> list[ID]:
+class Found(NamedTuple):
+    """What a look-up found: the `count` peers closest to the key that answered us, and the
+    DHT's size as the closest peers it came to know suggest (`dht_size`)."""
+
+    closest: list[ID]
+    size: float
+
+
+async def closest_peers(node: Node, key: bytes, count: int) -> Found:
     """The `count` peers closest to `key` that answered us (the caller bounds the time). A peer
     whose query failed (no connection, no answer in py-libp2p's query timeout, an empty answer)
     is dropped from the list, so it is never among them."""
@@ -67,7 +77,21 @@ async def closest_peers(node: Node, key: bytes, count: int) -> list[ID]:
                 failed.add(peer)
             shortlist = _closest(key, [*shortlist, *found], failed)
         nursery.cancel_scope.cancel()  # answers still on their way are from farther peers
-    return shortlist[:count]
+    return Found(shortlist[:count], dht_size(key, shortlist))
+
+
+def dht_size(key: bytes, closest: list[ID]) -> float:
+    """How many peers the DHT holds, from the peers closest to `key` (0 if none): ids spread
+    evenly over the 2**256 keys, n of them within XOR distance d of the key make about
+    n * 2**256 / d in all (about 20% off for 20 peers; a swarm smaller than that is known
+    whole, and is estimated at least that big)."""
+    if not closest:
+        return 0.0
+    target = int.from_bytes(hashlib.sha256(key).digest(), "big")
+    farthest = max(
+        target ^ int.from_bytes(hashlib.sha256(p.to_bytes()).digest(), "big") for p in closest
+    )
+    return len(closest) * 2**256 / (farthest + 1)
 
 
 def _closest(key: bytes, peers: list[ID], skip: set[ID]) -> list[ID]:

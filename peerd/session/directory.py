@@ -31,8 +31,9 @@ import contextlib
 import contextvars
 import logging
 import random
+import statistics
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,8 @@ READ_HOLDERS = 2
 # Shards of the model a client reads at most (the first, then more while a block has no server).
 MAX_SHARD_READS = 4
 LOOKUP_TIMEOUT_S = 3.0
+# Look-ups whose estimates of the DHT's size the median is taken over.
+SIZE_SAMPLES = 8
 # A shard key's holders found by a look-up are used again for this many refresh periods (a
 # publish and a read of the same key, the next periods' publishes) unless a request to one of
 # them fails: holders change only as peers join and leave, and every look-up costs a round of DHT
@@ -250,6 +253,13 @@ class Directory:
         self.stats = DiscoveryStats()
         self.rng = random.Random()
         self.board: RecordBoard | None = None  # our own, when we hold records for others
+        self.sizes: deque[float] = deque(maxlen=SIZE_SAMPLES)  # the DHT's, by our look-ups
+
+    def estimate(self, servers_known: int) -> float:
+        """The swarm's size to shard by: the servers we know, or the DHT's size as our last
+        look-ups found it when that is bigger (a daemon that just joined a big swarm knows few
+        servers, and its view holds a sample of the swarm, never all of it)."""
+        return max(float(servers_known), statistics.median(self.sizes) if self.sizes else 0.0)
 
     def hold_records(self) -> RecordBoard:
         """Hold records for other peers as a DHT node: answer RECORDS_PROTOCOL from a board."""
@@ -299,7 +309,8 @@ class Directory:
         found: list[ID] = []
         try:
             with trio.move_on_after(LOOKUP_TIMEOUT_S):
-                found = await closest_peers(self.node, key, count)
+                found, size = await closest_peers(self.node, key, count)
+                self.sizes.append(size)
         except Exception as e:  # a DHT hiccup: no holders this time
             log.debug("look-up of %s failed: %s", key.hex()[:12], e)
         finally:
@@ -345,7 +356,7 @@ class Directory:
                     stored += 1
 
         async with trio.open_nursery() as nursery:
-            for shards in shard_levels(shard_count(estimated_servers)):
+            for shards in shard_levels(shard_count(self.estimate(estimated_servers))):
                 nursery.start_soon(store, shards)
         return stored
 
@@ -396,18 +407,29 @@ class Directory:
         Within READ_BUDGET_S, and no further once a read finds nothing at all (a directory
         nobody publishes in yet: provider keys find the servers), so a refresh waits on it
         seconds at most."""
-        shards = shard_count(estimated_servers)
-        order = self.rng.sample(range(shards), min(shards, MAX_SHARD_READS))
-        reads = [(i, shards) for i in order]
-        reads += [(self.rng.randrange(n), n) for n in shard_levels(shards) if n != shards]
+        shards = shard_count(self.estimate(estimated_servers))
         fetched: list[SignedRecord] = []
         with trio.move_on_after(READ_BUDGET_S):
-            for shard, count in reads[:MAX_SHARD_READS]:
-                more = await self.read_shard(shard, count)
+            reads = self._reads(shards)
+            while reads:
+                more = await self.read_shard(*reads.pop(0))
                 fetched += more
+                if not more and (bigger := shard_count(self.estimate(0))) > 2 * shards:
+                    # The look-up found the swarm far bigger than we knew (we just joined it):
+                    # nobody stores at our shard count; read at the look-up's instead.
+                    shards, reads = bigger, self._reads(bigger)
+                    continue
                 if not more or not self._believe(fetched).snapshot.uncovered_blocks():
                     break
         return self._believe(fetched)
+
+    def _reads(self, shards: int) -> list[tuple[int, int]]:
+        """The shards to read, in order: MAX_SHARD_READS at most, of `shards`, then of its other
+        levels."""
+        order = self.rng.sample(range(shards), min(shards, MAX_SHARD_READS))
+        reads = [(i, shards) for i in order]
+        reads += [(self.rng.randrange(n), n) for n in shard_levels(shards) if n != shards]
+        return reads[:MAX_SHARD_READS]
 
     def _believe(self, fetched: list[SignedRecord]) -> Believed:
         return believe(
