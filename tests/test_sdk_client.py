@@ -8,6 +8,8 @@ tests, whose daemon never answers at all (their 1 s is for connecting on a loade
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import socket
 import subprocess
@@ -23,6 +25,7 @@ import trio
 import wire
 from peerd.sdk import unasync
 from peerd.sdk.client import AsyncClient, Client, GenerateOptions, PeerdError
+from peerd.sdk.transport import AsyncTransport
 
 WELCOME = wire.Welcome(version="0", peer_id="fake", model="fake-model", num_blocks=2, hidden_size=4)
 ROUTE = ("12D3KooWfake[0:2)",)
@@ -386,3 +389,33 @@ def test_bad_sampling_is_refused_before_anything_is_sent(daemon: FakeDaemon) -> 
         client.generate("Hi", do_sample=True, temperature=0.0)
     assert error.value.code == wire.ErrorCode.BAD_REQUEST and "temperature" in str(error.value)
     assert daemon.requests(wire.Generate) == []
+
+
+def test_a_receive_cancelled_as_data_arrives_on_asyncio_logs_no_loop_error(tmp_path: Path) -> None:
+    """The gateway runs AsyncTransport on asyncio, and cancels a receive whenever its client
+    hangs up. A receive cancelled in the loop turn its data arrives must leave the event loop
+    nothing to choke on (anyio's raw UNIX socket wait logged InvalidStateError there)."""
+    path = tmp_path / "d.sock"
+
+    async def main() -> list[dict[str, object]]:
+        loop = asyncio.get_running_loop()
+        errors: list[dict[str, object]] = []
+        loop.set_exception_handler(lambda _, context: errors.append(context))
+        peers: list[asyncio.StreamWriter] = []
+        server = await asyncio.start_unix_server(lambda _, w: peers.append(w), str(path))
+        transport = await AsyncTransport.connect(path, 5.0)
+        for _ in range(20):
+            receiving = asyncio.ensure_future(transport.receive())
+            while not peers:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # the receive waits on the socket
+            peers[0].write(b"x")  # in the client's socket now: readable at the next poll,
+            loop.call_soon(receiving.cancel)  # in the turn that cancels the receive
+            with contextlib.suppress(asyncio.CancelledError):
+                await receiving
+            await asyncio.sleep(0.01)
+        await transport.aclose()
+        server.close()
+        return errors
+
+    assert asyncio.run(main()) == []
