@@ -16,7 +16,7 @@ so nobody can publish a record for another peer id), its span must lie inside th
 touch the bucket it was fetched for), and its throughput must be one a machine can reach
 (routing.speeds.MAX_BLOCK_STEPS_PER_S). Whatever else a record claims is the server's word: the
 client still plans with credible throughputs (routing.speeds) and confirms the few servers it
-contacts with a live `info` call (`confirmed_record`) before a route uses them.
+contacts with a live `info` call (routing.contacts.confirmed_record) before a route uses them.
 
 Servers near a client are found through locality cells of network coordinates (`cell_of`), and
 the fast ones among them through lanes (`lane_tiers`): a server also stores its record under its
@@ -25,9 +25,8 @@ LANE_RECORDS of the fastest servers of each cell around it (`cells_around`, `lan
 look-up each, whatever the cell's size.
 
 A client reads a shard and those lanes (a few KB each), plans over those records with RTTs
-estimated from coordinates, and contacts only `choose_contacts`: the servers of a few
-alternative routes, then those `servers_to_confirm` names, never more than MAX_CONTACTS, instead
-of every server the DHT names.
+estimated from coordinates, and contacts only the servers routing.contacts chooses, instead of
+every server the DHT names.
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ import dataclasses
 import functools
 import hashlib
 import math
-import random
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import msgpack
@@ -45,8 +43,6 @@ from libp2p.crypto.keys import PrivateKey
 from libp2p.crypto.serialization import deserialize_public_key
 from libp2p.peer.id import ID
 
-from routing.bans import BanList
-from routing.planner import NoRouteError, plan_route
 from routing.records import ServerRecord, SwarmSnapshot
 from routing.speeds import MAX_BLOCK_STEPS_PER_S
 from wire import ServerState
@@ -69,13 +65,6 @@ SIGNATURE_DOMAIN = b"peerd/server-record/1\x00"
 # hours); one that claims to live longer than MAX_RECORD_LIFETIME_S is kept only that long.
 MAX_CLOCK_SKEW_S = 300.0
 MAX_RECORD_LIFETIME_S = 3600.0
-# Before its first token a client contacts at most this many servers (each an `info` call).
-MAX_CONTACTS = 24
-# ...the hops of the cheapest route and of up to this many more that avoid the servers chosen
-# before: RTTs estimated from coordinates (15% off) rank a segment's best server only among
-# its first few, and asking them all at once costs one round trip where asking more later costs
-# one each (the simulator at 3,000 peers: 4 routes gave 1.078x the optimum, 8 gave 1.043).
-ALTERNATIVE_ROUTES = 8
 # Multihash code of an identity hash: an Ed25519 peer id carries its public key inline.
 _IDENTITY_MULTIHASH = 0x00
 _STATES = (ServerState.JOINING, ServerState.ONLINE, ServerState.DRAINING)
@@ -425,68 +414,3 @@ def believe(
             coords[record.peer_id] = where
     snapshot = SwarmSnapshot.from_records(model, num_blocks, records, now=now)
     return Believed(snapshot, coords, tuple(refused))
-
-
-def choose_contacts(
-    snapshot: SwarmSnapshot,
-    *,
-    rtts: Mapping[str, float] | None = None,
-    bans: BanList | None = None,
-    now: float | None = None,
-    max_contacts: int = MAX_CONTACTS,
-    alternatives: int = ALTERNATIVE_ROUTES,
-    rng: random.Random | None = None,
-) -> list[str]:
-    """The servers a client contacts before its first route, cheapest route's first: the hops of
-    the cheapest route over `snapshot`, then of the cheapest routes that avoid the servers
-    already chosen, up to `max_contacts` (the live `info` calls confirm them and measure RTTs;
-    the route is then planned over those that answered). NoRouteError if no route exists."""
-    chosen: list[str] = []
-    blocked: set[str] = set()
-    for attempt in range(max(1, alternatives)):
-        try:
-            route = plan_route(
-                snapshot, rtts=rtts, bans=bans or (), now=now, blocked_servers=blocked, rng=rng
-            )
-        except NoRouteError:
-            if attempt == 0:
-                raise
-            break
-        for hop in route:
-            if hop.peer_id not in chosen:
-                chosen.append(hop.peer_id)
-            blocked.add(hop.peer_id)
-        if len(chosen) >= max_contacts:
-            break
-    return chosen[:max_contacts]
-
-
-def servers_to_confirm(
-    snapshot: SwarmSnapshot,
-    live: Mapping[str, tuple[float, ServerRecord]],
-    asked: Collection[str],
-    estimates: Mapping[str, float],
-) -> list[str]:
-    """The servers not yet asked that the cheapest route would use, planned over those that
-    answered (`live`: measured RTT and live record) and those of `snapshot` not yet asked (RTTs
-    estimated): a client asks them and plans again, so that an estimate too pessimistic about
-    a server it did not contact costs it one more round trip, not a worse route. Empty when the
-    route needs no one more (or none exists)."""
-    unasked = tuple(r for r in snapshot.records if r.peer_id not in asked)
-    records = unasked + tuple(record for _, record in live.values())
-    rtts = {**estimates, **{p: rtt for p, (rtt, _) in live.items()}}
-    try:
-        route = plan_route(SwarmSnapshot(snapshot.model, snapshot.num_blocks, records), rtts=rtts)
-    except NoRouteError:
-        return []
-    return list(dict.fromkeys(h.peer_id for h in route if h.peer_id not in live))
-
-
-def confirmed_record(published: ServerRecord, live: ServerRecord) -> ServerRecord | None:
-    """What a route may use of a server whose DHT record was `published` and whose live `info`
-    answer (over a connection authenticated as that peer) is `live`: the live record, whatever
-    it says now (a server that moved is planned with the span it serves, never the one it
-    published), or None when the answer is not that peer's record of this model."""
-    if live.peer_id != published.peer_id or live.model != published.model:
-        return None
-    return live

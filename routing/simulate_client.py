@@ -30,19 +30,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from routing.chains import Route
-from routing.discovery import (
+from routing.contacts import (
     MAX_CONTACTS,
+    answers_suffice,
+    choose_contacts,
+    confirmed_record,
+    servers_to_confirm,
+)
+from routing.discovery import (
     Cell,
     SignedRecord,
     authentic,
     believe,
     cell_of,
     cells_around,
-    choose_contacts,
-    confirmed_record,
     estimated_rtt,
     lane_tier,
-    servers_to_confirm,
     shard_count,
     shard_key,
     shard_levels,
@@ -293,9 +296,7 @@ class _Client:
                 snapshot.by_peer[p] for p in contacts if p not in confirmed and patience[p] > moment
             )
             pending = SwarmSnapshot(MODEL, self.swarm.num_blocks, awaited)
-            if not servers_to_confirm(pending, _measured(confirmed), (), estimates) and (
-                not awaited or self._live_route(confirmed) is not None
-            ):
+            if not awaited or answers_suffice(pending, _measured(confirmed), estimates):
                 return moment
         return INFO_DEADLINE_S
 

@@ -12,6 +12,11 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
+from routing.contacts import (
+    choose_contacts,
+    confirmed_record,
+    servers_to_confirm,
+)
 from routing.discovery import (
     CELL_S,
     LANE_RECORDS,
@@ -22,14 +27,11 @@ from routing.discovery import (
     buckets_of_span,
     cell_of,
     cells_around,
-    choose_contacts,
-    confirmed_record,
     estimated_rtt,
     lane_tier,
     lane_tiers,
     open_record,
     seconds_per_block,
-    servers_to_confirm,
     shard_count,
     shard_key,
     shard_levels,

@@ -254,7 +254,8 @@ async def test_a_first_view_is_in_once_the_listed_servers_answered_not_the_gone_
         view = SwarmView(client, TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
 
         async def candidates(blocks: object = ()) -> dict[str, PeerInfo]:
-            view._listed = {listed}  # the directory lists one; the routing table knows another
+            # The directory lists one; the routing table knows another.
+            view._listed = {listed: net.server("listed").record()}
             return {p: PeerInfo(ID.from_base58(p), []) for p in (listed, gone)}
 
         dial = client.open_stream
@@ -283,3 +284,38 @@ async def test_a_first_view_is_in_once_the_listed_servers_answered_not_the_gone_
             await trio.sleep(1.0)
             assert set(view.records) == {gone}
         assert listed in view.records  # (and gone too, only slow as far as we know)
+
+
+async def test_a_first_view_does_not_wait_for_a_listed_server_no_route_wants(
+    tiny_llama: Path, autojump_clock: trio.abc.Clock
+) -> None:
+    """The directory lists two servers; the one serving every block answers, the one serving
+    half of them does not: no route over the answers and the awaited one would use it (one hop
+    beats two at the same round trip), so the first view is in without it."""
+    async with open_memnet() as net:
+        net.serve("whole", blocks.load_span(tiny_llama, 0, TINY_BLOCKS))
+        net.serve("half", blocks.load_span(tiny_llama, 0, TINY_BLOCKS // 2))
+        whole, half = net.peer_id("whole"), net.peer_id("half")
+        client = net.node("client")
+        view = SwarmView(client, TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
+
+        async def candidates(blocks: object = ()) -> dict[str, PeerInfo]:
+            view._listed = {
+                p: net.server(n).record() for n, p in (("whole", whole), ("half", half))
+            }
+            return {p: PeerInfo(ID.from_base58(p), []) for p in view._listed}
+
+        dial = client.open_stream
+
+        async def open_stream(peer_id: ID, protocol: str) -> object:
+            if peer_id.to_string() == half:
+                await trio.sleep_forever()  # stalled: no answer until INFO_TIMEOUT_S
+            return await dial(peer_id, protocol)
+
+        view.find_candidates = candidates  # type: ignore[method-assign]
+        client.open_stream = open_stream  # type: ignore[method-assign]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(view.refresh)
+            await view.ready.wait()
+            assert trio.current_time() < 1.0 and set(view.records) == {whole}
+            assert [hop.peer_id for hop in view.plan()] == [whole]

@@ -62,9 +62,7 @@ async def test_a_corrupting_server_is_caught_and_the_text_stays_honest(
         # fastest server of 0:10, so routing puts it on the route.
         swarm.start("b", "0:30", "--throughput", "0.5")
         swarm.start("a", "0:10")
-        liar = swarm.start(
-            "liar", "0:10", "--throughput", "1000", env={TEST_CORRUPT_ENV: "1.0"}
-        )
+        liar = swarm.start("liar", "0:10", "--throughput", "1000", env={TEST_CORRUPT_ENV: "1.0"})
         caplog.set_level(logging.WARNING, logger="peerd.session.verify")
         async with open_leech(
             "default", swarm.initial_peers, refresh_period=2.0, verify_fraction=0.1

@@ -26,7 +26,7 @@ from peerd.session.directory import Directory
 from peerd.session.hops import DIAL_FAULTS, PEER_FAULTS
 from peerd.session.local import LocalServer
 from routing.bans import BanList
-from routing.discovery import MAX_CONTACTS, choose_contacts
+from routing.contacts import MAX_CONTACTS, answers_suffice, choose_contacts
 from routing.planner import NoRouteError, Route, plan_route
 from routing.records import SELECTION_STATES, ServerRecord, SwarmSnapshot, info_to_record
 from routing.rtt import RttTracker
@@ -117,9 +117,8 @@ class SwarmView:
         # Signed records in the DHT (peerd.session.directory): published by announce, read
         # first by find_candidates; provider keys find the servers it does not list.
         self.directory = Directory(node, model, num_blocks, swarm_name, refresh_period)
-        self._listed: set[str] = set()  # the servers the directory listed at the last read
-        # Set once the view is first worth routing on: at the end of the first refresh, or
-        # sooner when the servers the directory listed cover every block (_first_view).
+        self._listed: dict[str, ServerRecord] = {}  # what the directory listed at the last read
+        # Set once the view is worth routing on: after the first refresh, or sooner (_first_view).
         self.ready = trio.Event()
 
     # --- announcing ---------------------------------------------------------------------------
@@ -208,7 +207,7 @@ class SwarmView:
             peer = ID.from_base58(peer_id)
             self.node.remember(peer, snapshot.by_peer[peer_id].addrs)
             found.setdefault(peer_id, PeerInfo(peer, []))
-        self._listed = set(wanted)
+        self._listed = {p: snapshot.by_peer[p] for p in wanted}
         return bool(snapshot.records) and not snapshot.uncovered_blocks()
 
     async def fetch_record(self, peer: PeerInfo) -> ServerRecord | None:
@@ -275,8 +274,8 @@ class SwarmView:
         A known server that was only slow to answer this look-up keeps its record until the
         record expires (two refresh periods and REFRESH_SLACK_S after it last answered); one
         that refused or reset it leaves now, as does one a request fails on (report_failure). A
-        first view is in once the servers the directory listed answered, if they cover every
-        block: other peers (routing table, models key), some long gone, join at the end."""
+        first view is in once the listed servers' answers suffice (_first_view), whoever of
+        them is still awaited: other peers (routing table, models key) join at the end."""
         async with self._refresh_lock:
             fresh: dict[str, ServerRecord] = {}
             candidates = await self.find_candidates()
@@ -317,8 +316,7 @@ class SwarmView:
                 into[peer_id] = record
             if peer_id in awaited:
                 awaited.discard(peer_id)
-                if not awaited:
-                    self._first_view(into)
+                self._first_view(into, awaited)
 
         async with trio.open_nursery() as nursery:
             for peer_id, info in candidates.items():
@@ -327,13 +325,15 @@ class SwarmView:
         if (own := self.own_record()) is not None:
             into[own_id] = own
 
-    def _first_view(self, found: dict[str, ServerRecord]) -> None:
-        """While the view is empty, route on `found` (and our own record) if it covers all."""
+    def _first_view(self, found: dict[str, ServerRecord], awaited: Collection[str]) -> None:
+        """While the view is empty, route on `found` (and our own record) once it is enough
+        without the listed servers still `awaited` (routing.contacts.answers_suffice)."""
         view = dict(found)
         if (own := self.own_record()) is not None:
             view[own.peer_id] = own
-        snapshot = SwarmSnapshot.from_records(self.model, self.num_blocks, view.values())
-        if not self.records and not snapshot.uncovered_blocks(states=SELECTION_STATES):
+        live = {p: (self.rtts.get(p, 0.0), record) for p, record in view.items()}
+        listed = SwarmSnapshot(self.model, self.num_blocks, tuple(self._listed[p] for p in awaited))
+        if not self.records and answers_suffice(listed, live):
             self.records = view
             self._remember_seen(view)
             self.directory.stats.route_found()
