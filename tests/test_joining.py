@@ -21,7 +21,7 @@ from peerd.node.p2p import JOINED_PROTOCOL, LEAVING_PROTOCOL, open_node
 from peerd.sdk.terminal import format_status
 from peerd.session.swarm import INFO_TIMEOUT_S, SwarmView
 from routing.records import ServerRecord, info_to_record, record_to_info
-from tests.memnet import TINY_BLOCKS, TINY_MODEL, open_memnet, save_tiny_llama
+from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet, save_tiny_llama
 
 IPS = {4: ["198.51.100.7", "10.0.0.5"], 6: ["2001:db8::7"]}
 
@@ -243,6 +243,31 @@ async def test_a_slow_server_keeps_its_record_and_a_killed_one_leaves_at_the_nex
         assert slow in view.missed
 
 
+def _view_with_a_stalled_server(
+    net: MemNet, listed: list[str], others: list[str], stalled: str
+) -> SwarmView:
+    """A client's view whose directory lists the servers named `listed`, whose DHT names
+    `others` too, and to which server `stalled` does not answer (until INFO_TIMEOUT_S)."""
+    client = net.node("client")
+    view = SwarmView(client, TINY_MODEL, TINY_BLOCKS, refresh_period=60)
+    ids = {name: net.peer_id(name) for name in [*listed, *others]}
+
+    async def candidates(blocks: object = ()) -> dict[str, PeerInfo]:
+        view._listed = {ids[name]: net.server(name).record() for name in listed}
+        return {p: PeerInfo(ID.from_base58(p), []) for p in ids.values()}
+
+    dial = client.open_stream
+
+    async def open_stream(peer_id: ID, protocol: str) -> object:
+        if peer_id.to_string() == ids[stalled]:
+            await trio.sleep_forever()
+        return await dial(peer_id, protocol)
+
+    view.find_candidates = candidates  # type: ignore[method-assign]
+    client.open_stream = open_stream
+    return view
+
+
 async def test_a_first_view_is_in_once_the_listed_servers_answered_not_the_gone_peers(
     tiny_llama: Path, autojump_clock: trio.abc.Clock
 ) -> None:
@@ -250,23 +275,8 @@ async def test_a_first_view_is_in_once_the_listed_servers_answered_not_the_gone_
         net.serve("listed", blocks.load_span(tiny_llama, 0, TINY_BLOCKS))
         net.serve("gone", blocks.load_span(tiny_llama, 0, TINY_BLOCKS))
         listed, gone = net.peer_id("listed"), net.peer_id("gone")
-        client = net.node("client")
-        view = SwarmView(client, TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
-
-        async def candidates(blocks: object = ()) -> dict[str, PeerInfo]:
-            # The directory lists one; the routing table knows another.
-            view._listed = {listed: net.server("listed").record()}
-            return {p: PeerInfo(ID.from_base58(p), []) for p in (listed, gone)}
-
-        dial = client.open_stream
-
-        async def open_stream(peer_id: ID, protocol: str) -> object:
-            if peer_id.to_string() == gone:
-                await trio.sleep_forever()  # a peer long gone: no answer until INFO_TIMEOUT_S
-            return await dial(peer_id, protocol)
-
-        view.find_candidates = candidates  # type: ignore[method-assign]
-        client.open_stream = open_stream  # type: ignore[method-assign]
+        # The directory lists one; the routing table knows another, long gone.
+        view = _view_with_a_stalled_server(net, ["listed"], ["gone"], "gone")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(view.refresh)
             await view.ready.wait()
@@ -295,25 +305,8 @@ async def test_a_first_view_does_not_wait_for_a_listed_server_no_route_wants(
     async with open_memnet() as net:
         net.serve("whole", blocks.load_span(tiny_llama, 0, TINY_BLOCKS))
         net.serve("half", blocks.load_span(tiny_llama, 0, TINY_BLOCKS // 2))
-        whole, half = net.peer_id("whole"), net.peer_id("half")
-        client = net.node("client")
-        view = SwarmView(client, TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
-
-        async def candidates(blocks: object = ()) -> dict[str, PeerInfo]:
-            view._listed = {
-                p: net.server(n).record() for n, p in (("whole", whole), ("half", half))
-            }
-            return {p: PeerInfo(ID.from_base58(p), []) for p in view._listed}
-
-        dial = client.open_stream
-
-        async def open_stream(peer_id: ID, protocol: str) -> object:
-            if peer_id.to_string() == half:
-                await trio.sleep_forever()  # stalled: no answer until INFO_TIMEOUT_S
-            return await dial(peer_id, protocol)
-
-        view.find_candidates = candidates  # type: ignore[method-assign]
-        client.open_stream = open_stream  # type: ignore[method-assign]
+        whole = net.peer_id("whole")
+        view = _view_with_a_stalled_server(net, ["whole", "half"], [], "half")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(view.refresh)
             await view.ready.wait()
