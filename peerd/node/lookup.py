@@ -13,6 +13,7 @@ look-up (`Network.look_up`).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 from typing import NamedTuple
@@ -34,7 +35,7 @@ FEW_KNOWN = 5
 
 class Found(NamedTuple):
     """What a look-up found: the `count` peers closest to the key that answered us, and the
-    DHT's size as the closest peers it came to know suggest (`dht_size`)."""
+    DHT's size as the closest of those suggest (`dht_size`)."""
 
     closest: list[ID]
     size: float
@@ -77,7 +78,10 @@ async def closest_peers(node: Node, key: bytes, count: int) -> Found:
                 failed.add(peer)
             shortlist = _closest(key, [*shortlist, *found], failed)
         nursery.cancel_scope.cancel()  # answers still on their way are from farther peers
-    return Found(shortlist[:count], dht_size(key, shortlist))
+    # The size from the closest peers that answered, all of them up to the first that did not:
+    # a peer can name ids that do not exist, close to the key, to make the DHT look huge.
+    sure = list(itertools.takewhile(answered.__contains__, shortlist))
+    return Found(shortlist[:count], dht_size(key, sure))
 
 
 def dht_size(key: bytes, closest: list[ID]) -> float:
