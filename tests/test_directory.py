@@ -296,4 +296,7 @@ async def test_a_daemon_new_to_a_big_swarm_reads_at_the_size_its_look_up_found()
     believed = await directory.read(estimated_servers=0)
     assert read == [1, shard_count(10_000)]
     assert [r.peer_id for r in believed.snapshot.records] == [peer_of(keys)]
+    # Two look-ups are not yet enough to shard by (one is often several times off); three are.
+    assert directory.estimate(3) == 3.0
+    directory.sizes.append(9_000.0)
     assert directory.estimate(3) == 10_000.0 and directory.estimate(20_000) == 20_000.0

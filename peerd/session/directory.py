@@ -71,8 +71,9 @@ READ_HOLDERS = 2
 # Shards of the model a client reads at most (the first, then more while a block has no server).
 MAX_SHARD_READS = 4
 LOOKUP_TIMEOUT_S = 3.0
-# Look-ups whose estimates of the DHT's size the median is taken over.
+# Look-ups whose estimates of the DHT's size the median is taken over, and how many it needs.
 SIZE_SAMPLES = 8
+MIN_SIZE_SAMPLES = 3
 # A shard key's holders found by a look-up are used again for this many refresh periods (a
 # publish and a read of the same key, the next periods' publishes) unless a request to one of
 # them fails: holders change only as peers join and leave, and every look-up costs a round of DHT
@@ -258,8 +259,12 @@ class Directory:
     def estimate(self, servers_known: int) -> float:
         """The swarm's size to shard by: the servers we know, or the DHT's size as our last
         look-ups found it when that is bigger (a daemon that just joined a big swarm knows few
-        servers, and its view holds a sample of the swarm, never all of it)."""
-        return max(float(servers_known), statistics.median(self.sizes) if self.sizes else 0.0)
+        servers, and its view holds a sample of the swarm, never all of it). One look-up's
+        estimate can be several times off in a small swarm (it counts the few closest peers
+        that answered), so it takes MIN_SIZE_SAMPLES of them."""
+        if len(self.sizes) < MIN_SIZE_SAMPLES:
+            return float(servers_known)
+        return max(float(servers_known), statistics.median(self.sizes))
 
     def hold_records(self) -> RecordBoard:
         """Hold records for other peers as a DHT node: answer RECORDS_PROTOCOL from a board."""
@@ -414,7 +419,8 @@ class Directory:
             while reads:
                 more = await self.read_shard(*reads.pop(0))
                 fetched += more
-                if not more and (bigger := shard_count(self.estimate(0))) > 2 * shards:
+                looked = self.sizes[-1] if self.sizes else 0.0  # the look-up of that key
+                if not more and (bigger := shard_count(looked)) > 2 * shards:
                     # The look-up found the swarm far bigger than we knew (we just joined it):
                     # nobody stores at our shard count; read at the look-up's instead.
                     shards, reads = bigger, self._reads(bigger)
