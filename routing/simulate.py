@@ -71,13 +71,14 @@ HINT_MIN_RECORDS = 16  # servers with coordinates a Hint's sample must hold to s
 @dataclass(frozen=True)
 class Hint:
     """What a server tells a client that joins through it: the swarm's size as it estimates
-    it, and how many servers of its sample (1/`shards` of the swarm) lie in each locality cell.
+    it, and how many servers of its sample of the swarm (one shard) lie in each locality cell.
     A client sizes the lanes it reads with it (`cell_servers`) instead of waiting for a shard
-    of its own; it is the initial peer's word, checked against the client's own shard."""
+    of its own. It is the initial peer's word: a lane sized wrong costs the client route
+    quality, or bytes up to what a lane's holder sends (routing.simulate_client's LANE_LIMIT),
+    never a wrong route."""
 
     estimate: float
     census: Counter[Cell]
-    shards: int
 
     @property
     def usable(self) -> bool:
@@ -172,7 +173,6 @@ class Swarm:
         hint = Hint(
             server.estimate,
             Counter(cell_of(c) for p, c in server.view_coords.items() if p in server.view),
-            server.view_key[1],
         )
         size = JOIN_BYTES + HINT_CELL_BYTES * len(hint.census)
         return hint, self.net.exchange(kid, initial, STORE_BYTES, size, "join")
