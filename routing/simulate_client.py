@@ -242,7 +242,7 @@ class _Client:
             first = self._read(shard)[0]
             census = Counter(cell_of(c) for s in first if (c := authentic(s)[1]) is not None)
             lanes = self._read([], lanes=self._lanes(lambda cell: max(1, census[cell]) * shards))
-        fetched = [s for records in (first, *lanes) for s in records]
+        fetched = _flat([first, *lanes])
         # More of the whole swarm: other shards, then shards of the other levels (other holders).
         more = [(i, shards) for i in order[1:]]
         more += [(swarm.rng.randrange(n), n) for n in shard_levels(shards) if n != shards]

@@ -419,10 +419,11 @@ class Directory:
             while reads:
                 more = await self.read_shard(*reads.pop(0))
                 fetched += more
-                looked = self.sizes[-1] if self.sizes else 0.0  # the look-up of that key
+                looked = self.sizes[-1] if self.sizes else 0.0  # our latest look-up's
                 if not more and (bigger := shard_count(looked)) > 2 * shards:
-                    # The look-up found the swarm far bigger than we knew (we just joined it):
-                    # nobody stores at our shard count; read at the look-up's instead.
+                    # A look-up found the swarm far bigger than we knew (we just joined it;
+                    # on a first read, the look-up of that key): nobody stores at our shard
+                    # count; read at the look-up's instead.
                     shards, reads = bigger, self._reads(bigger)
                     continue
                 if not more or not self._believe(fetched).snapshot.uncovered_blocks():
