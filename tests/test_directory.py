@@ -21,6 +21,7 @@ import wire
 from peerd.devtools.localswarm import LocalSwarm, scrape_metrics
 from peerd.node.p2p import Node, open_node
 from peerd.node.streams import MessageStream
+from peerd.session.dht_keys import block_key, model_key, models_key
 from peerd.session.directory import (
     HOLDERS_FRESH_PERIODS,
     MAX_KEYS,
@@ -30,6 +31,7 @@ from peerd.session.directory import (
     Directory,
     RecordBoard,
 )
+from peerd.session.swarm import BLOCK_KEYS_FROM_SERVERS, SwarmView
 from routing.discovery import SignedRecord, authentic, shard_count, shard_of, sign_record
 from routing.records import ServerRecord
 from tests.memnet import stream_pair
@@ -300,3 +302,30 @@ async def test_a_daemon_new_to_a_big_swarm_reads_at_the_size_its_look_up_found()
     assert directory.estimate(3) == 3.0
     directory.sizes.append(9_000.0)
     assert directory.estimate(3) == 10_000.0 and directory.estimate(20_000) == 20_000.0
+
+
+async def test_block_keys_are_provided_only_when_the_directory_did_not_keep_our_record() -> None:
+    # A server whose view holds BLOCK_KEYS_FROM_SERVERS servers provides its blocks' keys only
+    # when no holder kept its record: readers find it in the directory, and the block keys'
+    # provides were most of an idle server's work.
+    async with AsyncExitStack() as stack:
+        nodes = await _swarm_of(3, stack)
+        server = nodes[1]
+        record = record_of(create_new_key_pair(), 2, 5)
+        record = dataclasses.replace(record, peer_id=server.peer_id.to_string())
+        view = SwarmView(server, MODEL, NUM_BLOCKS, refresh_period=60, own_record=lambda: record)
+        view.records = {f"p{i}": record for i in range(BLOCK_KEYS_FROM_SERVERS)}
+        blocks = {bytes.fromhex(block_key(MODEL, b)) for b in range(2, 5)}
+        wanted = {bytes.fromhex(model_key(MODEL)), bytes.fromhex(models_key())}
+
+        def provided() -> set[bytes]:
+            return {key for n in nodes for key in n.dht.provider_store.providers}
+
+        with trio.fail_after(60):
+            await view.announce(range(2, 5))
+            assert wanted <= provided() and not blocks & provided()
+            for node in nodes:  # nobody holds records any more: the publish keeps nothing
+                node.host.remove_stream_handler(RECORDS_PROTOCOL)
+            view.directory._holders.clear()
+            await view.announce(range(2, 5))
+            assert blocks <= provided()

@@ -160,6 +160,15 @@ class Node:
         """How we are connected to a peer now: "direct", "relayed" or "none"."""
         return connection_kind(self.host, peer_id)
 
+    async def provide(self, keys: Iterable[str]) -> None:
+        """Announce ourselves as a provider of each DHT key (hex), one after the other; a key
+        that fails is logged and left for the caller's next period (serving goes on)."""
+        for key in keys:
+            try:
+                await self.dht.provide(key)
+            except Exception as e:  # a DHT hiccup: retried next period
+                log.warning("announcing %s failed: %s", key[:12], e)
+
     def forget_cached_providers(self, key: str) -> None:
         """Drop the provider records of DHT key `key` (hex) that our own store holds, so the
         next find_providers asks the network: py-libp2p answers from the local store alone

@@ -43,10 +43,10 @@ REFRESH_SLACK_S = 4 * INFO_TIMEOUT_S
 LOST_SERVER_MEMORY_S = 600.0
 MAX_PROVIDERS = 64
 # A DHT node keeps at most 20 providers per key. While our view holds fewer servers of the model
-# than this, the model key lists them all and nobody looks up a block key (find_candidates asks
-# for blocks the model key left uncovered), so only the model keys are provided: per-block keys
-# were 10 of a 10-block server's 12 provides, and the DHT traffic of those provides was nearly
-# all of an idle daemon's CPU (40% of a core each at a 2 s refresh period, measured by py-spy).
+# than this, the model key lists them all, so only the model keys are provided; beyond, per-block
+# keys too (find_candidates looks up blocks nothing else covered), but only while the directory
+# keeps no copy of our record. Each provide is a look-up plus ADD_PROVIDERs: the block keys were
+# most of an idle daemon's CPU (40% of a core at a 2 s refresh period; py-spy).
 BLOCK_KEYS_FROM_SERVERS = 10
 BLOCK_LOOKUP_CONCURRENCY = 4
 # Joining and leaving (heard_join, heard_leave): a peer that says it joined is asked for its
@@ -124,22 +124,22 @@ class SwarmView:
     # --- announcing ---------------------------------------------------------------------------
 
     async def announce(self, blocks: Iterable[int]) -> None:
-        """Provide the model key in the DHT, and our blocks' keys once the swarm is big enough
-        for the model key not to list every server (BLOCK_KEYS_FROM_SERVERS); called every
-        refresh period."""
+        """Provide the model keys and store our record in the directory; called every refresh
+        period. Our blocks' keys too once the model key may not list every server
+        (BLOCK_KEYS_FROM_SERVERS), unless the directory kept our record: readers find us there,
+        and block keys' provides were most of an idle server's work (24 servers: 1.1 cores)."""
         name = self.swarm_name
-        keys = [model_key(self.model, name), models_key(name)]
-        if len(self.records) >= BLOCK_KEYS_FROM_SERVERS:
-            keys += [block_key(self.model, b, name) for b in blocks]
-        for key in keys:
-            try:
-                await self.node.dht.provide(key)
-            except Exception as e:  # a DHT hiccup must not stop serving; retried next period
-                log.warning("announcing %s failed: %s", key[:12], e)
-        if (own := self.own_record()) is not None:
-            await self.directory.publish(own, estimated_servers=len(self.records))
 
-    # --- discovering --------------------------------------------------------------------------
+        async def publish() -> None:
+            own, stored = self.own_record(), 0
+            if own is not None:
+                stored = await self.directory.publish(own, estimated_servers=len(self.records))
+            if len(self.records) >= BLOCK_KEYS_FROM_SERVERS and not stored:
+                await self.node.provide(block_key(self.model, b, name) for b in blocks)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(publish)
+            await self.node.provide([model_key(self.model, name), models_key(name)])
 
     async def _providers(self, key: str, serving_it: bool, into: list[PeerInfo]) -> None:
         # Cached provider records (our own, or ones from earlier look-ups) would answer alone:
