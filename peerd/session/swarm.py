@@ -42,11 +42,10 @@ REFRESH_SLACK_S = 4 * INFO_TIMEOUT_S
 # so a route that finds no server can say which one is out of reach and why.
 LOST_SERVER_MEMORY_S = 600.0
 MAX_PROVIDERS = 64
-# A DHT node keeps at most 20 providers per key. While our view holds fewer servers of the model
-# than this, the model key lists them all, so only the model keys are provided; beyond, per-block
-# keys too (find_candidates looks up blocks nothing else covered), but only while the directory
-# keeps no copy of our record. Each provide is a look-up plus ADD_PROVIDERs: the block keys were
-# most of an idle daemon's CPU (40% of a core at a 2 s refresh period; py-spy).
+# A DHT node keeps at most 20 providers per key: from this many servers in our view the model key
+# may not list them all, so a server the directory keeps no record of provides its blocks' keys
+# too (find_candidates looks up blocks nothing else covered). Each provide is a look-up plus
+# ADD_PROVIDERs: block keys were most of an idle daemon's CPU (py-spy; docs/swarm.md).
 BLOCK_KEYS_FROM_SERVERS = 10
 BLOCK_LOOKUP_CONCURRENCY = 4
 # Joining and leaving (heard_join, heard_leave): a peer that says it joined is asked for its
@@ -124,10 +123,9 @@ class SwarmView:
     # --- announcing ---------------------------------------------------------------------------
 
     async def announce(self, blocks: Iterable[int]) -> None:
-        """Provide the model keys and store our record in the directory; called every refresh
-        period. Our blocks' keys too once the model key may not list every server
-        (BLOCK_KEYS_FROM_SERVERS), unless the directory kept our record: readers find us there,
-        and block keys' provides were most of an idle server's work (24 servers: 1.1 cores)."""
+        """Provide the model keys and store our record in the directory, every refresh period;
+        our blocks' keys too once the model key may not list every server, unless the directory
+        kept our record (readers find us there; see BLOCK_KEYS_FROM_SERVERS)."""
         name = self.swarm_name
 
         async def publish() -> None:
@@ -140,6 +138,8 @@ class SwarmView:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(publish)
             await self.node.provide([model_key(self.model, name), models_key(name)])
+
+    # --- discovering --------------------------------------------------------------------------
 
     async def _providers(self, key: str, serving_it: bool, into: list[PeerInfo]) -> None:
         # Cached provider records (our own, or ones from earlier look-ups) would answer alone:
