@@ -59,6 +59,7 @@ def test_forget_drops_later_blocks_and_a_mismatched_step_is_refused() -> None:
         keeper.remember(block, torch.ones(1, 1, 4))
     keeper.forget(10, 0)
     assert list(keeper.inputs) == [0] and keeper.inputs[0].shape == (1, 4, 4)
+    assert list(keeper._buffers) == [0]  # nothing kept of the blocks forgotten
     keeper.forget(0, 2)
     assert keeper.inputs[0].shape == (1, 2, 4)
     with pytest.raises(RuntimeError):

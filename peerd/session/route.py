@@ -127,6 +127,7 @@ class RouteKeeper:
             if block >= first_block:
                 if position == 0:
                     del self.inputs[block]
+                    self._buffers.pop(block, None)
                 else:
                     self.inputs[block] = self.inputs[block][:, :position]
 
