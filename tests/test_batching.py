@@ -13,7 +13,7 @@ import trio
 
 import blocks
 from peerd.devtools.localswarm import LocalSwarm, scrape_metrics
-from peerd.server.batching import GATHER_MIN_S, MERGE_MAX_TOKENS, StepBatcher
+from peerd.server.batching import GATHER_MIN_S, INLINE_MAX_TOKENS, MERGE_MAX_TOKENS, StepBatcher
 from peerd.server.compute import ComputeQueue
 from peerd.session.leech import open_leech
 from tests.conftest import greedy_continuation
@@ -239,3 +239,39 @@ async def test_speculative_passes_merge_and_roll_back_like_any_steps(span: block
             for session in (alone[i], merged[i]):
                 assert session.position == start + drafts[i] + 1
                 session.rollback(start + 1 + stood[i])
+
+
+async def test_a_lone_sessions_short_steps_run_on_the_loop_and_shared_or_long_ones_do_not(
+    span: blocks.Span, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    loop = threading.current_thread()
+    threads: list[bool] = []  # per forward: ran on the loop's thread
+    forward = blocks.Span.forward
+
+    def recording(self: blocks.Span, *args: Any, **kwargs: Any) -> torch.Tensor:
+        threads.append(threading.current_thread() is loop)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(blocks.Span, "forward", recording)
+    cache = blocks.MemoryCache(budget_tokens=10_000)
+    lone, other = _prefilled(span, cache, [4, 4])
+    want = [
+        span(torch.full((1, 1, 32), 0.1 * i), s)
+        for i, s in enumerate(_prefilled(span, cache, [4]) * 3)
+    ]
+    batcher = StepBatcher(ComputeQueue())
+    threads.clear()
+    got = [await batcher.run(span, lone, torch.full((1, 1, 32), 0.1 * i), "a") for i in range(3)]
+    # The first short step runs in the worker thread (nothing timed yet); then on the loop.
+    assert threads == [False, True, True]
+    for g, w in zip(got, want, strict=True):
+        assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())
+    # A step longer than INLINE_MAX_TOKENS goes to the worker thread.
+    await batcher.run(span, lone, torch.randn(1, INLINE_MAX_TOKENS + 1, 32), "a")
+    assert threads[-1] is False
+    # Another peer's session stepped just now: steps are the batcher's to merge, in the thread.
+    await batcher.run(span, other, torch.randn(1, 1, 32), "b")
+    await batcher.run(span, lone, torch.randn(1, 1, 32), "a")
+    assert threads[-2:] == [False, False]

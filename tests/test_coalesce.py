@@ -116,3 +116,30 @@ async def test_a_stalled_member_holds_nobody_up_for_long(
     assert batches[0] == [0] and all(b == [1] for b in batches[1:])
     # Late by more than a period, it is not waited for at all; before, a quarter period at most.
     assert max(waits) <= 0.25 * 0.051 + 1e-9 and max(waits[3:]) <= 1e-9, waits
+
+
+async def test_a_lone_callers_short_batches_run_on_the_loop_once_timed() -> None:
+    import threading
+
+    loop = threading.current_thread()
+    ran_on_loop: list[bool] = []
+
+    def run(items: list[int]) -> list[int]:
+        ran_on_loop.append(threading.current_thread() is loop)
+        return items
+
+    coalescer: Coalescer[int, int] = Coalescer(run, inline_max_s=10.0)
+    with coalescer.member("a"):
+        for i in range(3):
+            assert await coalescer(i, "a") == i
+    # The first batch runs in a worker thread (its time unknown); then on the loop.
+    assert ran_on_loop == [False, True, True]
+    # Two members: batches go to the worker thread again, whoever calls.
+    with coalescer.member("a"), coalescer.member("b"):
+        await coalescer(3, "a")
+    assert ran_on_loop[-1] is False
+    # Without inline_max_s (the default), never on the loop.
+    plain: Coalescer[int, int] = Coalescer(run)
+    for i in range(3):
+        await plain(i)
+    assert ran_on_loop[-3:] == [False, False, False]

@@ -9,6 +9,7 @@ import trio
 
 from peerd.server.compute import (
     INFERENCE_ACTIVE_S,
+    INLINE_MAX_S,
     MAX_REST,
     PRIORITY_INFERENCE,
     SLICE_S,
@@ -100,3 +101,30 @@ async def test_a_step_that_waited_for_a_long_slice_makes_it_rest() -> None:
         await trio.sleep(0.01)
         release.set()
     assert queue.training_rested_s > 0
+
+
+async def test_an_inline_job_runs_on_the_loop_when_the_device_is_free_and_waits_otherwise() -> None:
+    queue = ComputeQueue()
+    loop = threading.current_thread()
+    # The first job offered inline runs in a worker thread (its time unknown); once timed short
+    # and with the device free, the next runs here, on the event loop's thread.
+    assert await queue.run(PRIORITY_INFERENCE, threading.current_thread, inline=True) is not loop
+    assert await queue.run(PRIORITY_INFERENCE, threading.current_thread, inline=True) is loop
+    ran_on: list[threading.Thread] = []
+
+    def slow() -> None:
+        time.sleep(0.05)
+
+    async def inline_job() -> None:
+        ran_on.append(await queue.run(PRIORITY_INFERENCE, threading.current_thread, inline=True))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.run, PRIORITY_INFERENCE, slow)
+        await trio.sleep(0.01)  # the slow job holds the device now
+        nursery.start_soon(inline_job)
+    # Busy: it waited its turn and ran in a worker thread, like any job.
+    assert ran_on and ran_on[0] is not loop
+    assert queue.jobs_done == 4 and queue.depth == 0
+    # A job offered inline that took longer than INLINE_MAX_S sends the next to the thread.
+    await queue.run(PRIORITY_INFERENCE, time.sleep, INLINE_MAX_S + 0.01, inline=True)
+    assert await queue.run(PRIORITY_INFERENCE, threading.current_thread, inline=True) is not loop

@@ -74,6 +74,10 @@ PRIORITY_TURN_TOKENS = 64
 # decode step ~16 ms), so a contributor's step that finds one under way waits ~15 ms for it on
 # average, for less takers' throughput per turn of the device (takers rest meanwhile anyway).
 RESERVED_TURN_TOKENS = 16
+# A lone short step (at most INLINE_MAX_TOKENS rows x tokens, no other session active) may run on
+# the event loop (ComputeQueue.run's `inline`): a decode forward's hand-off to the worker thread
+# and back cost ~0.6 ms a hop on the 2-core development machine.
+INLINE_MAX_TOKENS = 16
 
 
 class StepBatcher:
@@ -164,7 +168,7 @@ class StepBatcher:
                 self._round_queued = True
                 self._notify()
                 try:
-                    await self.compute.run(priority, self._round)
+                    await self.compute.run(priority, self._round, inline=self._inline(step))
                 finally:
                     self._round_queued = False
                     self._after_round()
@@ -180,6 +184,21 @@ class StepBatcher:
             raise step.error
         self._time(step, arrived)
         return step.outputs[0] if len(step.outputs) == 1 else torch.cat(step.outputs, dim=1)
+
+    def _inline(self, step: Step) -> bool:
+        """Whether the round `step` queues may run on the event loop (INLINE_MAX_TOKENS)."""
+        now = trio.current_time()
+        with self._lock:
+            alone = self._waiting == [step]
+        return (
+            alone
+            and step.rows * step.left <= INLINE_MAX_TOKENS
+            and not (self._reserving or self._lane_busy)
+            and all(
+                other.session is step.session or now - other.at > ACTIVE_S or other.session.closed
+                for other in self._recent.values()
+            )
+        )
 
     def _stepped(self, session: SpanSession, owner: str, now: float) -> Recent:
         """Note that `owner` sent a step of `session` at `now`: what we know of the session."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -36,6 +37,11 @@ TRAINING_REST = 1.0
 # training keeps a fifth of the device (peerd.server.training's token cap counts on it).
 SLICE_S = 0.25
 MAX_REST = 4.0
+# A job offered `inline` runs on the event loop when the device is free and the last job offered
+# so took at most this long: for a few milliseconds of work nobody waits behind, the worker
+# thread's two switches cost more than the loop loses (a loop busy for tens of milliseconds
+# delays nothing; yamux resets a stream only after 5 s).
+INLINE_MAX_S = 0.05
 
 
 def training_rest(ran_s: float) -> float:
@@ -52,6 +58,7 @@ class ComputeQueue:
         self._waiting: list[tuple[int, int, trio.Event]] = []
         self._order = itertools.count()
         self.jobs_done = 0
+        self._inline_s = float("inf")  # how long the last job offered inline took
         # trio.current_time() when an inference job last came or finished
         self.last_inference = -float("inf")
         self._training_lane = trio.Lock()
@@ -62,11 +69,21 @@ class ComputeQueue:
     def depth(self) -> int:
         return len(self._waiting) + int(self._busy)
 
-    async def run(self, priority: int, fn: Callable[..., T], *args: object) -> T:
+    async def run(
+        self, priority: int, fn: Callable[..., T], *args: object, inline: bool = False
+    ) -> T:
+        """fn(*args) on the device (in a worker thread), after the jobs ahead of it. `inline`: a
+        short job, to run here on the event loop if the device is free (INLINE_MAX_S)."""
         if priority == PRIORITY_INFERENCE:
             # Demand counts, not only completion: a step that waited for a slice longer than
             # INFERENCE_ACTIVE_S (a long row on a loaded machine) makes that slice rest too.
             self.last_inference = trio.current_time()
+        if inline and not self._busy and not self._waiting and self._inline_s <= INLINE_MAX_S:
+            self._busy = True
+            try:
+                return self._timed(fn, *args)
+            finally:
+                self._done(priority)
         if self._busy or self._waiting:
             ready = trio.Event()
             entry = (priority, next(self._order), ready)
@@ -82,12 +99,24 @@ class ComputeQueue:
                 raise
         self._busy = True
         try:
+            if inline:
+                return await trio.to_thread.run_sync(self._timed, fn, *args)
             return await trio.to_thread.run_sync(fn, *args)
         finally:
-            self.jobs_done += 1
-            if priority == PRIORITY_INFERENCE:
-                self.last_inference = trio.current_time()
-            self._release()
+            self._done(priority)
+
+    def _timed(self, fn: Callable[..., T], *args: object) -> T:
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._inline_s = time.perf_counter() - started
+
+    def _done(self, priority: int) -> None:
+        self.jobs_done += 1
+        if priority == PRIORITY_INFERENCE:
+            self.last_inference = trio.current_time()
+        self._release()
 
     async def training_slice(self, fn: Callable[..., T], *args: object) -> T:
         """fn(*args) as a training job: one training slice at a time, each resting at least as

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -72,9 +73,15 @@ class Coalescer(Generic[T, R]):
         self,
         run_batch: Callable[[list[T]], list[R]],
         run_sync: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync,
+        inline_max_s: float = 0.0,
     ) -> None:
+        """`inline_max_s`: a lone caller's batch of one runs on the event loop instead, once such
+        a batch took at most this long (a worker thread's two switches then cost more than
+        the loop loses)."""
         self._run_batch = run_batch
         self._run_sync = run_sync  # how a batch runs: in a worker thread
+        self._inline_max_s = inline_max_s
+        self._lone_s = float("inf")  # how long the last batch of one call took
         self._pending: list[_Call[T, R]] = []
         self._running = False
         self._batch_over = trio.Event()
@@ -108,7 +115,7 @@ class Coalescer(Generic[T, R]):
                 batch, self._pending = self._pending, []
                 self._running = True
                 try:
-                    results = await self._run_sync(self._run_batch, [c.item for c in batch])
+                    results = await self._run(batch)
                 except Exception as e:
                     for c in batch:
                         c.error, c.finished = e, True
@@ -129,6 +136,18 @@ class Coalescer(Generic[T, R]):
         if call.error is not None:
             raise call.error
         return call.result  # type: ignore[return-value]
+
+    async def _run(self, batch: list[_Call[T, R]]) -> list[R]:
+        items = [c.item for c in batch]
+        if len(batch) > 1:
+            return await self._run_sync(self._run_batch, items)
+        started = time.perf_counter()
+        if self._lone_s <= self._inline_max_s and len(self._members) <= 1:
+            results = self._run_batch(items)
+        else:
+            results = await self._run_sync(self._run_batch, items)
+        self._lone_s = time.perf_counter() - started
+        return results
 
     def _called(self, key: Hashable | None) -> tuple[float, float | None]:
         """Note a member's call: how long a batch it starts may wait for the other members, and
