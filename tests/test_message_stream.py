@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import trio
+import trio.testing
 
 import wire
 from peerd.node.streams import MessageStream, PeerGone
@@ -108,3 +109,47 @@ async def test_a_failed_write_fails_every_message_it_carried_and_later_ones() ->
     assert sorted(failed) == [0, 1, 2] and raw.writes == []
     with pytest.raises(PeerGone, match="cannot send to peer"):
         await stream.send(_step(3))
+
+
+class _CountingStream:
+    """A byte stream that takes every write at once and keeps them."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    async def write(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        self.writes.append(bytes(data))
+
+    async def read(self, n: int | None = None) -> bytes:
+        raise AssertionError("not read in these tests")
+
+    async def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("gather", [True, False])
+async def test_gathering_sends_of_tasks_woken_together_make_one_write(gather: bool) -> None:
+    raw = _CountingStream()
+    stream = MessageStream(raw, MAX_FRAME, "peer")
+    go = trio.Event()
+
+    async def send(i: int) -> None:
+        await go.wait()  # woken together, as the sessions of one merged forward are
+        for _ in range(i % 3):  # then on their way to the send, some pass more checkpoints
+            await trio.lowlevel.checkpoint()
+        await stream.send(_step(i), gather=gather)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(send, i)
+        await trio.testing.wait_all_tasks_blocked()
+        go.set()
+    assert sorted(_decoded(raw.writes)) == list(range(8))
+    if gather:
+        assert len(raw.writes) == 1
+    else:  # the first write goes before the stragglers queue
+        assert len(raw.writes) > 1
+    # A lone gathering send is written at once, alone.
+    await stream.send(_step(8), gather=True)
+    assert _decoded(raw.writes[-1:]) == [8]

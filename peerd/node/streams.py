@@ -74,18 +74,24 @@ class MessageStream:
             )
         return self._remote_peer
 
-    async def send(self, message: Message, compression: str = "raw") -> None:
+    async def send(self, message: Message, compression: str = "raw", gather: bool = False) -> None:
         """Send one message, its tensors encoded with `compression` (wire.COMPRESSIONS).
 
         Messages sent while a write is under way go together in the next write (group commit):
-        a server that pushes the outputs of one merged forward to the next server makes two
-        writes, not one per session, and the receiver reads them in one go. Each call returns
-        once its own message is written; a call cancelled before then takes its message back
-        unless a write already carries it."""
+        the receiver reads them in one go. `gather`: before its write, the sender lets the tasks
+        that are ready to run go first (until a pass of them queues nothing more), so that the
+        messages they send on this stream meanwhile join it: a server that pushes the outputs of
+        one merged forward to the next server makes one write, not one for the first session
+        and another for the rest. Each call returns once its own message is written; a call
+        cancelled before then takes its message back unless a write already carries it."""
         frame = _Frame(encode_message(message, compression, max_frame_size=self.max_frame_size))
         self._outbox.append(frame)
         try:
             async with self._send_lock:
+                queued = 0
+                while gather and not frame.sent and len(self._outbox) > queued:
+                    queued = len(self._outbox)
+                    await trio.lowlevel.checkpoint()  # until a pass queues nothing more
                 if not frame.sent:
                     await self._write_outbox()
         except BaseException:

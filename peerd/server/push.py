@@ -78,11 +78,13 @@ class Pusher:
         lock = self._locks.setdefault(target.peer_id, trio.Lock())
         try:
             with trio.fail_after(PUSH_TIMEOUT_S):
-                async with lock:  # one stream per next server, opened once
-                    stream = await self._stream_to(target)
+                stream = self._streams.get(target.peer_id)  # (no checkpoint when open)
+                if stream is None:
+                    async with lock:  # one stream per next server, opened once
+                        stream = await self._stream_to(target)
                 # The sessions of one merged forward push at once: their steps go to the next
                 # server in one write (MessageStream.send), which merges them in turn.
-                await stream.send(pushed, compression)
+                await stream.send(pushed, compression, gather=True)
             return True
         except Exception as e:  # any failure: the client relays this output itself
             log.info("push to %s failed: %s", target.peer_id, e)
