@@ -4,7 +4,6 @@ DHT keeps provider records. The py-libp2p quirks of building a host live here (n
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,13 +18,13 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
+from peerd.node import yamux_credit
 from peerd.node.multiselect import pipeline_negotiation
 
-# py-libp2p's yamux answers every read with a WINDOW_UPDATE frame unless this is off; off, it
-# releases credit the go-yamux way (once half the window is read), which saves one frame (an
-# encryption and a socket write) per message of a decode step on both ends. It is read at call
-# time; an operator's own setting wins.
-os.environ.setdefault("PY_YAMUX_RELEASE_ON_READ", "0")
+# py-libp2p's yamux answers most reads of a small message with a WINDOW_UPDATE frame; credit is
+# released the go-yamux way instead, once half the window is read (peerd.node.yamux_credit): one
+# frame (an encryption and a socket write) less per message of a decode step on both ends.
+yamux_credit.install()
 
 # Seconds a dial (direct or through a relay) may take before the next address is tried.
 DIAL_TIMEOUT_S = 5.0
