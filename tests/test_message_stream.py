@@ -10,7 +10,8 @@ import trio
 import trio.testing
 
 import wire
-from peerd.node.streams import MessageStream, PeerGone
+from peerd.node.streams import GATHER_PASSES, MessageStream, PeerGone, _Frame
+from wire import encode_message
 
 MAX_FRAME = 1 << 20
 
@@ -153,3 +154,22 @@ async def test_gathering_sends_of_tasks_woken_together_make_one_write(gather: bo
     # A lone gathering send is written at once, alone.
     await stream.send(_step(8), gather=True)
     assert _decoded(raw.writes[-1:]) == [8]
+
+
+async def test_a_trickle_of_senders_holds_a_gathering_write_back_only_so_long() -> None:
+    raw = _CountingStream()
+    stream = MessageStream(raw, MAX_FRAME, "peer")
+    written_after: list[int] = []
+
+    async def trickle() -> None:  # one more message every scheduler pass
+        for i in range(1, 3 * GATHER_PASSES):
+            stream._outbox.append(_Frame(encode_message(_step(i), "raw", max_frame_size=MAX_FRAME)))
+            if raw.writes and not written_after:
+                written_after.append(i)
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stream.send, _step(0), "raw", True)
+        nursery.start_soon(trickle)
+    # Written after GATHER_PASSES passes (and the lock's and the write's own), not at the end.
+    assert written_after and written_after[0] <= GATHER_PASSES + 4

@@ -19,6 +19,9 @@ from wire.decoding import Expect, TensorCheck
 M = TypeVar("M", bound=Message)
 
 READ_CHUNK = 1 << 20
+# Scheduler passes a gathering send (MessageStream.send) lets other ready tasks run, at most: the
+# pushes of one merged forward take two or three.
+GATHER_PASSES = 8
 
 
 class PeerGone(Exception):
@@ -79,19 +82,25 @@ class MessageStream:
 
         Messages sent while a write is under way go together in the next write (group commit):
         the receiver reads them in one go. `gather`: before its write, the sender lets the tasks
-        that are ready to run go first (until a pass of them queues nothing more), so that the
-        messages they send on this stream meanwhile join it: a server that pushes the outputs of
-        one merged forward to the next server makes one write, not one for the first session
+        that are ready to run go first, until two passes of them queue nothing more here
+        (GATHER_PASSES at most, so a steady trickle cannot hold the write back), and the
+        messages they send on this stream meanwhile join it: a server that pushes the outputs
+        of one merged forward to the next server makes one write, not one for the first session
         and another for the rest. Each call returns once its own message is written; a call
         cancelled before then takes its message back unless a write already carries it."""
         frame = _Frame(encode_message(message, compression, max_frame_size=self.max_frame_size))
         self._outbox.append(frame)
         try:
             async with self._send_lock:
-                queued = 0
-                while gather and not frame.sent and len(self._outbox) > queued:
-                    queued = len(self._outbox)
-                    await trio.lowlevel.checkpoint()  # until a pass queues nothing more
+                queued = passes = quiet = 0
+                while gather and passes < GATHER_PASSES:
+                    # Until two passes in a row queue nothing: a sender that runs after us in
+                    # one pass queues its message after we looked (trio runs a batch in any order).
+                    quiet = quiet + 1 if len(self._outbox) == queued else 0
+                    if quiet == 2:
+                        break
+                    queued, passes = len(self._outbox), passes + 1
+                    await trio.lowlevel.checkpoint()
                 if not frame.sent:
                     await self._write_outbox()
         except BaseException:
