@@ -255,6 +255,10 @@ async def test_a_lone_sessions_short_steps_run_on_the_loop_and_shared_or_long_on
         return forward(self, *args, **kwargs)
 
     monkeypatch.setattr(blocks.Span, "forward", recording)
+    # The rules, not the clock: however loaded the machine, a forward counts as short and a
+    # session that stepped counts as active.
+    monkeypatch.setattr("peerd.server.compute.INLINE_MAX_S", 60.0)
+    monkeypatch.setattr("peerd.server.batching.ACTIVE_S", 600.0)
     cache = blocks.MemoryCache(budget_tokens=10_000)
     lone, other = _prefilled(span, cache, [4, 4])
     want = [
