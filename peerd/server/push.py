@@ -77,7 +77,9 @@ class Pusher:
         )
         lock = self._locks.setdefault(target.peer_id, trio.Lock())
         try:
-            with trio.fail_after(PUSH_TIMEOUT_S):
+            # Shielded from the pushing session's end: the stream carries every session's pushes
+            # to that server, and a frame cut in half would break it for all of them.
+            with trio.CancelScope(shield=True), trio.fail_after(PUSH_TIMEOUT_S):
                 stream = self._streams.get(target.peer_id)  # (no checkpoint when open)
                 if stream is None:
                     async with lock:  # one stream per next server, opened once

@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 
 # How long an evicted session's stream stays open for its client's next step (see _linger).
 EVICTED_LINGER_S = 10.0
+# A step's result is written shielded from the session's end (a flood of pushes, an evicted
+# lease), within this long: a frame cut in half would leave the stream unable to carry the error
+# that says why the session ended.
+REPLY_WRITE_S = 10.0
 
 
 @dataclass
@@ -226,15 +230,16 @@ class InferenceHandler:
         pushed_on = True
         if message.next_hops:
             pushed_on = await self.pusher.push(message, output, compression)
-        await live.messages.send(
-            wire.StepResult(
-                session_id=live.request.session_id,
-                step_id=message.step_id,
-                hidden_states=output,
-                push_failed=not pushed_on,
-            ),
-            compression,
-        )
+        with trio.CancelScope(shield=True), trio.move_on_after(REPLY_WRITE_S):
+            await live.messages.send(
+                wire.StepResult(
+                    session_id=live.request.session_id,
+                    step_id=message.step_id,
+                    hidden_states=output,
+                    push_failed=not pushed_on,
+                ),
+                compression,
+            )
 
 
 def _check_new_id(live: dict[str, LiveSession], session_id: str) -> None:
