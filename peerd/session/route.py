@@ -107,12 +107,12 @@ class RouteKeeper:
         if past is None:
             self.inputs[block] = hidden
             return
+        if past.shape[0] != hidden.shape[0] or past.shape[2:] != hidden.shape[2:]:
+            self.inputs[block] = torch.cat([past, hidden], dim=1)  # torch.cat's own error
+            return
         length, end = past.shape[1], past.shape[1] + hidden.shape[1]
         buffer, written = self._buffers.get(block, (None, 0))
         if not _appendable(past, hidden, buffer, written):
-            if past.shape[0] != hidden.shape[0] or past.shape[2:] != hidden.shape[2:]:
-                self.inputs[block] = torch.cat([past, hidden], dim=1)  # torch.cat's own error
-                return
             dtype = torch.promote_types(past.dtype, hidden.dtype)
             buffer = past.new_empty((past.shape[0], 2 * end, *past.shape[2:]), dtype=dtype)
             buffer[:, :length] = past
@@ -401,7 +401,7 @@ def _appendable(
     past: torch.Tensor, hidden: torch.Tensor, buffer: torch.Tensor | None, written: int
 ) -> bool:
     """Whether `past` is all that `buffer` holds (its first `written` positions: no view of a
-    later position exists) and `hidden` fits after it."""
+    later position exists) and `hidden` (of its batch and width) fits after it."""
     return (
         buffer is not None
         and past.data_ptr() == buffer.data_ptr()
@@ -409,6 +409,4 @@ def _appendable(
         and past.shape[1] == written
         and written + hidden.shape[1] <= buffer.shape[1]
         and past.dtype == hidden.dtype == buffer.dtype
-        and past.shape[0] == hidden.shape[0]
-        and past.shape[2:] == hidden.shape[2:]
     )
