@@ -139,14 +139,14 @@ class Coalescer(Generic[T, R]):
 
     async def _run(self, batch: list[_Call[T, R]]) -> list[R]:
         items = [c.item for c in batch]
-        if len(batch) > 1:
-            return await self._run_sync(self._run_batch, items)
+        lone = len(batch) == 1
         started = time.perf_counter()
-        if self._lone_s <= self._inline_max_s and len(self._members) <= 1:
+        if lone and self._lone_s <= self._inline_max_s and len(self._members) <= 1:
             results = self._run_batch(items)
         else:
             results = await self._run_sync(self._run_batch, items)
-        self._lone_s = time.perf_counter() - started
+        if lone:
+            self._lone_s = time.perf_counter() - started
         return results
 
     def _called(self, key: Hashable | None) -> tuple[float, float | None]:
