@@ -1,20 +1,23 @@
-"""A span's linear layers given a few rows (a few merged decode steps) in the form the CPU's BLAS
-streams their weights fastest.
+"""A span's linear layers given a few rows (one decode step, or a few merged ones) in the form the
+CPU's BLAS streams their weights fastest.
 
 A decode step multiplies a handful of rows by every weight matrix of its blocks, so the product
 is bound by reading the weights from memory. nn.Linear asks for rows @ weight.T; on the
-development machine (AMD EPYC, torch's MKL) that takes a slow path for 2-4 rows, while
-weight @ rows.T streams the matrix at memory speed: a forward of 2 merged decode steps through
-10 blocks of the default model took 22-23 ms as nn.Linear and 12.5 ms in the skinny form (3 rows
-25-26 -> 18 ms, 4 rows 21 -> 17.5 ms; one row 15 ms, 8 rows about 23 ms either way). Both forms
-compute the same sums in another order (float rounding apart), and which is faster depends on
-the CPU and its BLAS, so `tune` times both on the span's own weights and keeps the skinny form
-only for the row counts where it is clearly faster. One row keeps nn.Linear: a lone session's
-step is computed exactly as transformers computes it.
+development machine (AMD EPYC, torch's MKL) that takes a slow path for 1-4 rows, while
+weight @ rows.T with at least two columns streams the matrix at memory speed (one row is doubled
+into two columns: a single column takes the slow path again). The linear layers of 10 blocks of
+the default model, one thread: one row 14.1 ms as nn.Linear, 8.6 ms doubled; a whole forward of
+2 merged decode steps took 22-23 ms as nn.Linear and 12.5 ms in the skinny form (3 rows 25-26 ->
+18 ms, 4 rows 21 -> 17.5 ms; 8 rows about 23 ms either way). Both forms compute the same sums in
+another order (float rounding apart: a lone session's step is no longer bit for bit what
+transformers computes, as a merged step never was), and which is faster depends on the CPU and
+its BLAS, so `tune` times both on the span's own weights and keeps the skinny form only for the
+row counts where it is clearly faster.
 """
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -23,11 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROWS = (2, 3, 4)
-# The skinny form is kept for a row count where its median time is at most this fraction of
-# nn.Linear's: a clear gain, not the noise of a busy machine.
+log = logging.getLogger(__name__)
+
+ROWS = (1, 2, 3, 4)
+# The skinny form is kept for a row count where its time over nn.Linear's (pass by pass, the
+# median) is at most this: a clear gain, not the noise of a busy machine.
 CLEARLY_FASTER = 0.9
-TUNE_REPS = 5
+TUNE_REPS = 9
 # Blocks timed: 6 blocks of the default model are 84 MB of weights.
 TUNE_BLOCKS = 6
 
@@ -43,7 +48,11 @@ class SkinnyLinear(nn.Linear):
         rows = x.numel() // width if width else 0
         if rows not in self.skinny_rows or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        out = (self.weight @ x.reshape(rows, width).T).T
+        flat = x.reshape(rows, width)
+        if rows == 1:  # one column takes the slow path again: two, and keep the first
+            out = (self.weight @ flat.expand(2, width).contiguous().T).T[:1]
+        else:
+            out = (self.weight @ flat.T).T
         if self.bias is not None:
             out = out + self.bias
         return out.contiguous().view(*x.shape[:-1], self.out_features)
@@ -71,26 +80,28 @@ def tune(
     timer: Callable[[], float] = time.perf_counter,
 ) -> frozenset[int]:
     """Time `forward` (a pass through blocks whose weights come from memory, as they do when
-    serving) on 2-4 rows of one token, with and without the skinny form; set and return the
+    serving) on 1-4 rows of one token, with and without the skinny form; set and return the
     row counts where the skinny form is clearly faster."""
     if not linears:
         return frozenset()
 
     def timed(x: torch.Tensor, rows: frozenset[int]) -> float:
         set_rows(linears, rows)
-        forward(x)  # warm
-        times = []
-        for _ in range(TUNE_REPS):
-            started = timer()
-            forward(x)
-            times.append(timer() - started)
-        return statistics.median(times)
+        started = timer()
+        forward(x)
+        return timer() - started
 
     chosen = set()
     with torch.inference_mode():
         for rows in ROWS:
             x = torch.randn(rows, 1, hidden_size)
-            if timed(x, frozenset({rows})) <= CLEARLY_FASTER * timed(x, frozenset()):
+            timed(x, frozenset({rows}))  # warm both
+            timed(x, frozenset())
+            # The two forms in turn, each skinny pass against the plain one right after it: a
+            # neighbour's burst of work (a daemon loading beside this one) falls on both alike.
+            ratios = [timed(x, frozenset({rows})) / timed(x, frozenset()) for _ in range(TUNE_REPS)]
+            if statistics.median(ratios) <= CLEARLY_FASTER:
                 chosen.add(rows)
     set_rows(linears, frozenset(chosen))
+    log.info("passes of %s rows in skinny form", ",".join(map(str, sorted(chosen))) or "no")
     return frozenset(chosen)
