@@ -33,6 +33,7 @@ ROWS = (1, 2, 3, 4)
 # median) is at most this: a clear gain, not the noise of a busy machine.
 CLEARLY_FASTER = 0.9
 TUNE_REPS = 9
+TUNE_WARM = 3
 # Blocks timed: 6 blocks of the default model are 84 MB of weights.
 TUNE_BLOCKS = 6
 
@@ -77,11 +78,15 @@ def tune(
     forward: Callable[[torch.Tensor], object],
     hidden_size: int,
     linears: list[SkinnyLinear],
-    timer: Callable[[], float] = time.perf_counter,
+    timer: Callable[[], float] = time.thread_time,
 ) -> frozenset[int]:
     """Time `forward` (a pass through blocks whose weights come from memory, as they do when
     serving) on 1-4 rows of one token, with and without the skinny form; set and return the
-    row counts where the skinny form is clearly faster."""
+    row counts where the skinny form is clearly faster.
+
+    The time is the calling thread's CPU time: a daemon loads its span in a worker thread while
+    its event loop meets the swarm, and wall time counted the loop's turns with the GIL (three
+    daemons on two cores: the third found the forms equal, 0.99, where alone it finds 0.73)."""
     if not linears:
         return frozenset()
 
@@ -92,16 +97,23 @@ def tune(
         return timer() - started
 
     chosen = set()
+    medians = []
     with torch.inference_mode():
         for rows in ROWS:
             x = torch.randn(rows, 1, hidden_size)
-            timed(x, frozenset({rows}))  # warm both
-            timed(x, frozenset())
+            for _ in range(TUNE_WARM):  # the first passes after loading run slow (page faults,
+                timed(x, frozenset({rows}))  # a daemon's start-up beside): both forms alike
+                timed(x, frozenset())
             # The two forms in turn, each skinny pass against the plain one right after it: a
             # neighbour's burst of work (a daemon loading beside this one) falls on both alike.
             ratios = [timed(x, frozenset({rows})) / timed(x, frozenset()) for _ in range(TUNE_REPS)]
+            medians.append(f"{rows}: {statistics.median(ratios):.2f}")
             if statistics.median(ratios) <= CLEARLY_FASTER:
                 chosen.add(rows)
     set_rows(linears, frozenset(chosen))
-    log.info("passes of %s rows in skinny form", ",".join(map(str, sorted(chosen))) or "no")
+    log.info(
+        "passes of %s rows in skinny form (its time over nn.Linear's by rows: %s)",
+        ",".join(map(str, sorted(chosen))) or "no",
+        ", ".join(medians),
+    )
     return frozenset(chosen)
