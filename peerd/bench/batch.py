@@ -72,7 +72,7 @@ def _start_swarm(*extra: str) -> LocalSwarm:
     # threads of six daemons would crowd two cores.
     swarm = LocalSwarm(refresh_period=30.0, torch_threads=1)
     for name, span in zip("abc", SPANS, strict=True):
-        swarm.start(name, span, *extra)
+        swarm.start(name, span, *extra, online=True)
     return swarm
 
 

@@ -84,7 +84,7 @@ def run_swarm_bench(runs: int = 3, new_tokens: int = 64, torch_threads: int = 2)
     swarm = LocalSwarm(refresh_period=30.0, torch_threads=1, throughput="auto")
     try:
         for name, span in (("a", "0:10"), ("b", "10:20"), ("c", "20:30")):
-            swarm.start(name, span)
+            swarm.start(name, span, online=True)
 
         async def measure() -> dict[str, Any]:
             rows: list[dict[str, float]] = []

@@ -58,11 +58,10 @@ def run_on_emulated_wan(
         shaping = {topo.shape(h, DELAY_MS, RATE_MBIT) for h in [*hosts, client]}
         swarm = LocalSwarm(refresh_period=REFRESH_S, torch_threads=1)
         try:
-            # One after another, as the servers of a real swarm start on their own machines:
-            # side by side, three daemons time their spans' forms (blocks.skinny) on two cores
-            # at once, and the timings (so the forms chosen) are the neighbours' noise.
+            # One after another, as the servers of a real swarm start on their own machines
+            # (LocalSwarm.start's `online`).
             for host, (start, end) in zip(hosts, SPANS, strict=True):
-                swarm.start(host.name, f"{start}:{end}", host=host)
+                swarm.start(host.name, f"{start}:{end}", host=host, online=True)
             inner = subprocess.run(
                 [*client.exec_args(), sys.executable, "-m", module, "--inner",
                  "--initial-peer", swarm.initial_peers[0], "--listen", client.ip,

@@ -94,6 +94,17 @@ class DaemonProcess:
         time.sleep(0.2)  # let the remaining banner lines arrive
         return self
 
+    def wait_online(self, timeout: float = 180.0) -> None:
+        """Until the daemon serves its span (loaded, tuned, throughput measured): benches start
+        the next daemon only then, so no two time their forms (blocks.skinny) at once."""
+        deadline = time.monotonic() + timeout
+        while "online: blocks" not in self.log_path.read_text():
+            if self.process is None or self.process.poll() is not None:
+                raise RuntimeError(f"daemon {self.name} ended before going online")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"daemon {self.name} not online within {timeout:.0f} s")
+            time.sleep(0.2)
+
     def _own_files(self) -> list[str]:
         return ["--identity", str(self.identity), "--socket", str(self.socket)]
 
@@ -167,9 +178,10 @@ class LocalSwarm:
         identity: str | None = None,
         env: dict[str, str] | None = None,
         host: Host | None = None,
+        online: bool = False,
     ) -> DaemonProcess:
         """Start a daemon; with `host` (peerd.devtools.netns), inside that host's network
-        namespace."""
+        namespace; with `online`, return once it serves its span (DaemonProcess.wait_online)."""
         peers = self.initial_peers
         join = ["--initial-peers", peers[0]] if peers else ["--new-swarm"]
         args = [
@@ -197,7 +209,10 @@ class LocalSwarm:
             netns=host.netns if host else None,
         )
         self.daemons.append(daemon)
-        return daemon.start()
+        daemon.start()
+        if online:
+            daemon.wait_online()
+        return daemon
 
     def stop(self) -> None:
         for daemon in self.daemons:
