@@ -68,8 +68,8 @@ async def _round(leech: Leech, sessions: int, new_tokens: int) -> tuple[float, l
 
 
 def _start_swarm(*extra: str) -> LocalSwarm:
-    # One torch thread per daemon: a 10-block decode step is bound by per-op overhead, and idle
-    # threads of six daemons would crowd two cores.
+    # One torch thread per daemon: the threads of six daemons would crowd two cores (8-row
+    # forwards on two threads made fewer tokens/s here, not more: docs/swarm.md).
     swarm = LocalSwarm(refresh_period=30.0, torch_threads=1)
     for name, span in zip("abc", SPANS, strict=True):
         swarm.start(name, span, *extra, online=True)

@@ -79,8 +79,8 @@ def run_swarm_bench(runs: int = 3, new_tokens: int = 64, torch_threads: int = 2)
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     client = blocks.load_client_side(checkpoint)
     ids = _prompt_ids(client.tokenizer)
-    # One thread per daemon: a 10-block decode step is no faster with two (it is bound by
-    # per-op overhead), and idle threads of three daemons would crowd two cores.
+    # One thread per daemon: three daemons' threads would crowd two cores. (A lone step in the
+    # doubled one-row form, blocks.skinny, is faster on two only while the other core is free.)
     swarm = LocalSwarm(refresh_period=30.0, torch_threads=1, throughput="auto")
     try:
         for name, span in (("a", "0:10"), ("b", "10:20"), ("c", "20:30")):
