@@ -20,6 +20,7 @@ from blocks.checkpoint import (
 )
 from blocks.errors import ModelNotFoundError
 from blocks.families import Family, family_of, prepare_config
+from blocks.skinny import columns_product
 
 
 class ClientSide(nn.Module):
@@ -175,13 +176,7 @@ def _cpu_lm_head(
     one thread: 11.5 ms -> 5.8 ms for one row, 24 -> 15 ms for eight; no slower for long
     prompts). The same sums in another order: logits agree within float rounding.
     """
-    rows = hidden.reshape(-1, hidden.shape[-1])
-    single = rows.shape[0] == 1
-    if single:
-        rows = torch.cat([rows, rows])
-    logits = (weight @ rows.T).T
-    if single:
-        logits = logits[:1]
+    logits = columns_product(weight, hidden.reshape(-1, hidden.shape[-1]))
     if bias is not None:
         logits = logits + bias
     return logits.reshape(*hidden.shape[:-1], weight.shape[0])

@@ -53,14 +53,19 @@ class SkinnyLinear(nn.Linear):
         rows = x.numel() // width if width else 0
         if rows not in self.skinny_rows or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, width)
-        if rows == 1:  # one column takes the slow path again: two, and keep the first
-            out = (self.weight @ flat.expand(2, width).contiguous().T).T[:1]
-        else:
-            out = (self.weight @ flat.T).T
+        out = columns_product(self.weight, x.reshape(rows, width))
         if self.bias is not None:
             out = out + self.bias
         return out.contiguous().view(*x.shape[:-1], self.out_features)
+
+
+def columns_product(weight: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """rows [n, in] -> rows @ weight.T [n, out], computed as weight @ rows.T with at least two
+    columns: a lone row is doubled, since one column takes the slow path again (the client's LM
+    head uses it too)."""
+    if rows.shape[0] == 1:
+        return (weight @ rows.expand(2, rows.shape[1]).contiguous().T).T[:1]
+    return (weight @ rows.T).T
 
 
 def make_skinny(module: nn.Module) -> list[SkinnyLinear]:
