@@ -4,6 +4,7 @@ the benchmarks and the multi-process tests, stopped however the caller needs (SI
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -158,6 +159,8 @@ class LocalSwarm:
         torch_threads: int = 1,
         throughput: str = "20",
     ) -> None:
+        # A workdir of its own (none given) goes when the swarm stops; a given one is the caller's.
+        self._own_workdir = workdir is None
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="peerd-swarm-"))
         self.refresh_period = refresh_period
         # Tests pass a fixed throughput: measuring it costs seconds per daemon and the planner
@@ -217,3 +220,5 @@ class LocalSwarm:
     def stop(self) -> None:
         for daemon in self.daemons:
             daemon.kill()
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
