@@ -4,17 +4,19 @@ results each step gives alone; turns are fair between clients; one bad step fail
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import trio
+import trio.testing
 
 import blocks
 from peerd.devtools.localswarm import LocalSwarm, scrape_metrics
 from peerd.server.batching import GATHER_MIN_S, INLINE_MAX_TOKENS, MERGE_MAX_TOKENS, StepBatcher
-from peerd.server.compute import ComputeQueue
+from peerd.server.compute import PRIORITY_INFERENCE, ComputeQueue
 from peerd.session.leech import open_leech
 from tests.conftest import greedy_continuation
 from tests.tiny_models import save_tiny
@@ -279,3 +281,48 @@ async def test_a_lone_sessions_short_steps_run_on_the_loop_and_shared_or_long_on
     await batcher.run(span, other, torch.randn(1, 1, 32), "b")
     await batcher.run(span, lone, torch.randn(1, 1, 32), "a")
     assert threads[-2:] == [False, False]
+
+
+@pytest.mark.parametrize(
+    ("owners", "groups", "merged"),
+    [
+        (["me", "me", "me", "me"], [0, 1, 0, 1], False),  # one client's two micro-batches
+        (["me", "me", "me", "me"], [0, 0, 0, 0], True),
+        (["me", "me", "me", "me"], [None, 1, None, 1], True),  # ungrouped steps merge with any
+        (["p0", "p1", "p2", "p3"], [0, 1, 0, 1], True),  # other clients' groups are no bar
+    ],
+)
+async def test_one_clients_micro_batches_run_apart_and_others_merge(
+    span: blocks.Span, owners: list[str], groups: list[int | None], merged: bool
+) -> None:
+    cache = blocks.MemoryCache(budget_tokens=10_000)
+    sessions = _prefilled(span, cache, [3, 5, 2, 4])
+    batcher = StepBatcher(ComputeQueue())
+    forwards: list[int] = []
+    forward_batch = span.forward_batch
+
+    def counted(steps: Any, adapter: str | None = None) -> list[torch.Tensor]:
+        forwards.append(len(steps))
+        return forward_batch(steps, adapter)
+
+    async def step(i: int) -> None:
+        hidden = torch.randn(1, 1, 32)
+        await batcher.run(span, sessions[i], hidden, owners[i], micro_batch=groups[i])
+
+    busy = threading.Event()
+    span.forward_batch = counted  # type: ignore[method-assign]
+    try:
+        # Queued together behind a busy device, as a group's steps are while another one's run.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(batcher.compute.run, PRIORITY_INFERENCE, busy.wait)
+            await trio.testing.wait_all_tasks_blocked()
+            for i in range(4):
+                nursery.start_soon(step, i)
+            await trio.testing.wait_all_tasks_blocked()
+            busy.set()
+    finally:
+        del span.forward_batch
+    if merged:
+        assert forwards == [4]
+    else:
+        assert sorted(forwards) == [2, 2]

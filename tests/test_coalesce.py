@@ -4,6 +4,7 @@ never for a member that is not due (slower, or stalled), and never longer than t
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable
 
@@ -13,7 +14,7 @@ import trio.testing
 from peerd.session.coalesce import GATHER_FIRST_S, Coalescer
 
 
-def _recorder() -> tuple[Coalescer[int, int], list[list[int]]]:
+def _recorder(micro_batches: int = 1) -> tuple[Coalescer[int, int], list[list[int]]]:
     """A coalescer whose batches run on the event loop (no worker thread: the tests run on
     trio's autojump clock, whose time must not jump while a thread works), and its batches."""
     batches: list[list[int]] = []
@@ -26,7 +27,7 @@ def _recorder() -> tuple[Coalescer[int, int], list[list[int]]]:
         await trio.sleep(0.001)  # a batch takes time; calls meanwhile queue for the next
         return fn(items)
 
-    return Coalescer(run, inline), batches
+    return Coalescer(run, inline, micro_batches=micro_batches, split_members=4), batches
 
 
 async def test_calls_while_a_batch_runs_go_together_in_the_next() -> None:
@@ -143,3 +144,68 @@ async def test_a_lone_callers_short_batches_run_on_the_loop_once_timed() -> None
     for i in range(3):
         await plain(i)
     assert ran_on_loop[-3:] == [False, False, False]
+
+
+async def test_enough_members_split_into_micro_batches_that_run_apart(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    coalescer, batches = _recorder(micro_batches=2)
+    groups: dict[int, list[int | None]] = {}
+
+    async def member(i: int) -> None:
+        with coalescer.member(i):
+            for _ in range(4):
+                await trio.sleep(0.2)
+                groups.setdefault(i, []).append(coalescer.group_of(i))
+                await coalescer(i, i)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(8):
+            nursery.start_soon(member, i)
+    # Joined in turn, they alternate between the groups (four each); each keeps its group, and a
+    # batch holds one whole group's calls (the two groups' batches run one after the other).
+    # The last round may re-form: the first group to finish leaves the other to split in two.
+    assert all(len(set(g[:3])) == 1 for g in groups.values()), groups
+    members = {g: [i for i in range(8) if groups[i][0] == g] for g in (0, 1)}
+    assert sorted(map(len, members.values())) == [4, 4]
+    assert sorted(batches[:6]) == sorted([members[0]] * 3 + [members[1]] * 3), batches
+    assert sorted(i for batch in batches for i in batch) == sorted(list(range(8)) * 4)
+
+
+async def test_few_members_run_together_and_newcomers_join_the_smaller_group() -> None:
+    coalescer, _ = _recorder(micro_batches=2)
+    with coalescer.member("a"), coalescer.member("b"), coalescer.member("c"):
+        assert [coalescer.group_of(k) for k in "abc"] == [None] * 3  # fewer than split_members
+        with coalescer.member("d"):
+            assert [coalescer.group_of(k) for k in "abcd"] == [0, 1, 0, 1]
+            assert coalescer.group_of("not a member") == 0
+        with coalescer.member("e"):  # d left: group 1 is the smaller one
+            assert [coalescer.group_of(k) for k in "abce"] == [0, 1, 0, 1]
+
+
+async def test_groups_left_uneven_by_members_leaving_are_evened_out() -> None:
+    coalescer, _ = _recorder(micro_batches=2)
+    with contextlib.ExitStack() as everyone:
+        stacks = {k: everyone.enter_context(contextlib.ExitStack()) for k in range(8)}
+        for k, stack in stacks.items():
+            stack.enter_context(coalescer.member(k))
+        assert [coalescer.group_of(k) for k in range(8)] == [0, 1] * 4
+        for k in (5, 3, 1):  # once group 1 is two behind, group 0's latest to join (6) moves
+            stacks[k].close()
+        assert {k: coalescer.group_of(k) for k in (0, 2, 4, 6, 7)} == {
+            0: 0,
+            2: 0,
+            4: 0,
+            6: 1,
+            7: 1,
+        }
+
+
+def test_micro_batches_must_fit_the_split() -> None:
+    for micro_batches, split in ((0, 4), (5, 4)):
+        try:
+            Coalescer(lambda items: items, micro_batches=micro_batches, split_members=split)
+        except ValueError as e:
+            assert "micro_batches" in str(e)
+        else:
+            raise AssertionError(f"{micro_batches}, {split} accepted")

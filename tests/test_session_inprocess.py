@@ -302,3 +302,34 @@ async def test_an_allowed_server_that_just_failed_is_waited_for_not_called_absen
             assert [hop.peer_id for hop in session.hops] == [net.peer_id("head"), tail]
         assert refreshes >= 2 and session.failures == 0
     assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
+
+
+async def test_a_sessions_micro_batch_reaches_every_hop_pushed_or_not(
+    tiny_llama: Path, whole: blocks.Span
+) -> None:
+    """The group a generation puts its session's steps in (wire.Step.micro_batch) is what every
+    server's batcher merges by: the first hop has it from the client, the others from the
+    server that pushes to them (and from the client again once it relays)."""
+    steps = _steps(4, (5, 1, 1))
+    reference = _reference(whole, steps)
+    names = ["head", "mid", "tail"]
+    seen: dict[str, list[int | None]] = {name: [] for name in names}
+    async with open_memnet() as net:
+        _serve(net, tiny_llama, {"head": (0, 2), "mid": (2, 4), "tail": (4, 6)})
+        for name in names:
+            batcher = net.server(name).batcher
+            run = batcher.run
+
+            async def recorded(*args: Any, _run: Any = run, _name: str = name, **kw: Any) -> Any:
+                seen[_name].append(kw.get("micro_batch"))
+                return await _run(*args, **kw)
+
+            batcher.run = recorded  # type: ignore[method-assign]
+        async with InferenceSession(_view(net), max_length=16) as session:
+            outputs = [await session.step(steps[0])]  # ungrouped
+            session.micro_batch = 1
+            outputs.append(await session.step(steps[1]))
+            session.runner.push = False  # relayed by the client hop by hop
+            outputs.append(await session.step(steps[2]))
+    assert seen == {name: [None, 1, 1] for name in names}
+    assert_close_scaled(torch.cat(outputs, dim=1), reference)

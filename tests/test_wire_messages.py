@@ -124,6 +124,7 @@ EXAMPLES: list[Message] = [
     SessionOpened(session_id="s1", max_length=512),
     Step(session_id="s1", step_id=0, hidden_states=HIDDEN),
     Step(session_id="s1", step_id=9, hidden_states=HIDDEN, start_position=4, next_hops=(HOP,)),
+    Step(session_id="s1", step_id=9, hidden_states=HIDDEN, next_hops=(HOP,), micro_batch=1),
     StepResult(session_id="s1", step_id=9, hidden_states=HIDDEN),
     CloseSession(session_id="s1"),
     Forward(model="m", start=3, end=5, hidden_states=HIDDEN.to(torch.bfloat16)),
@@ -443,6 +444,8 @@ def test_a_tensor_bigger_than_the_frame_limit_is_refused_even_when_lz4_makes_it_
             "grad_outputs shape",
         ),
         (lambda: Step(session_id="s", step_id=0, hidden_states="not a tensor"), "must be a tensor"),
+        (lambda: Step(session_id="s", step_id=0, hidden_states=HIDDEN, micro_batch=-1), ">= 0"),
+        (lambda: Step(session_id="s", step_id=0, hidden_states=HIDDEN, micro_batch=64), "< 64"),
         (
             lambda: OpenSession(
                 session_id="s", model="m", start=0, end=1, max_length=1, reply_compression="zip"

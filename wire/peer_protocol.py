@@ -73,6 +73,9 @@ slots to it."""
 MAX_PUSH_TOKEN_LEN = 128
 """A session's push token: a client draws 32 hex characters (128 random bits)."""
 
+MAX_MICRO_BATCHES = 64
+"""Groups a client may split its concurrent sessions' steps into (Step.micro_batch); peerd: 2."""
+
 MAX_ERROR_MESSAGE_LEN = 4096
 """An error's text: one or two sentences, or a short traceback summary."""
 
@@ -286,6 +289,12 @@ class Step(Message):
     """When set, push the output to next_hops[0] (carrying the rest) instead of replying."""
     push_token: str | None = spec(default=None, min_len=1, max_len=MAX_PUSH_TOKEN_LEN)
     """On a pushed step: the receiving session's push token (from the NextHop naming it)."""
+    micro_batch: int | None = spec(default=None, ge=0, lt=MAX_MICRO_BATCHES)
+    """The group of its client's concurrent sessions this step belongs to: a server merges it
+    with that client's steps of the same group only (other clients' steps merge as ever), so the
+    groups take turns on the route's servers, one computing while the next hop computes the
+    other (peerd.session.coalesce). A server pushing its output on puts the same value in the
+    pushed step. None: it merges with any."""
 
 
 @message("step_result")

@@ -134,10 +134,12 @@ class StepBatcher:
         owner: str,
         adapter: str | None = None,
         priority: int = PRIORITY_INFERENCE,
+        micro_batch: int | None = None,
     ) -> torch.Tensor:
         """span(hidden, session, adapter), run in some round on the compute queue; the same
         result (up to float rounding) and the same errors as running it alone."""
-        step = Step(span, session, hidden, owner, next(self._order), session.position, adapter)
+        order, position = next(self._order), session.position
+        step = Step(span, session, hidden, owner, order, position, adapter, micro_batch)
         arrived = self._timer()
         self._token = trio.lowlevel.current_trio_token()
         now = trio.current_time()
@@ -412,8 +414,7 @@ class StepBatcher:
                 # half of the rows' positions padding), e.g. decode steps with decode steps.
                 padded = (rows + step.rows) * max(longest, step.left)
                 if (
-                    step.span is head.span
-                    and step.adapter == head.adapter
+                    step.joins(head)
                     and step.left <= MERGE_MAX_TOKENS
                     and rows + step.rows <= self.max_rows
                     and id(step.session) not in sessions

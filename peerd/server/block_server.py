@@ -363,7 +363,12 @@ class BlockServer:
             session.rollback(message.start_position)
         span = self.span_for(request.start, request.end)
         output = await self.batcher.run(
-            span, session, hidden, owner or self.peer_id, request.active_adapter
+            span,
+            session,
+            hidden,
+            owner or self.peer_id,
+            request.active_adapter,
+            micro_batch=message.micro_batch,
         )
         if self._corrupt_fraction and random.random() < self._corrupt_fraction:
             output = _corrupted(output)

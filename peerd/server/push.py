@@ -74,6 +74,7 @@ class Pusher:
             start_position=message.start_position,  # a rollback applies on every hop alike
             next_hops=message.next_hops[1:],
             push_token=target.push_token,  # the client gave it to us alone, for this session
+            micro_batch=message.micro_batch,  # merged alike on every hop
         )
         lock = self._locks.setdefault(target.peer_id, trio.Lock())
         try:

@@ -32,6 +32,7 @@ class Step:
     order: int
     start_position: int  # where the session stood, to undo a long step that fails half-way
     adapter: str | None  # the LoRA adapter it runs with: only steps of one adapter merge
+    micro_batch: int | None = None  # its owner's group (wire.Step.micro_batch; None: any)
     done: int = 0  # tokens already run (a long step goes chunk by chunk)
     outputs: list[torch.Tensor] = field(default_factory=list)
     error: BaseException | None = None
@@ -45,6 +46,14 @@ class Step:
     @property
     def left(self) -> int:
         return int(self.hidden.shape[1]) - self.done
+
+    def joins(self, head: Step) -> bool:
+        """It may run in the forward `head` leads: the same span and adapter, and not one of its
+        owner's other micro-batches (wire.Step.micro_batch: one takes the servers while the
+        other is on another hop)."""
+        groups = (self.micro_batch, head.micro_batch)
+        apart = self.owner == head.owner and None not in groups and groups[0] != groups[1]
+        return self.span is head.span and self.adapter == head.adapter and not apart
 
     @property
     def remaining(self) -> torch.Tensor:

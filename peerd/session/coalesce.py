@@ -38,6 +38,7 @@ class _Call(Generic[T, R]):
 @dataclass
 class _Member:
     joined: float
+    group: int = 0  # its micro-batch (Coalescer `micro_batches`)
     last: float | None = None  # when it last called
     period: float | None = None  # smoothed time between its calls
 
@@ -67,17 +68,32 @@ class Coalescer(Generic[T, R]):
     a batch about to run first waits, briefly (GATHER_*), for the members that have not called
     yet. So concurrent generations sample their tokens in one pass and send their next steps
     together, and the servers of their route merge those into one forward, instead of the
-    first to arrive running alone and the generations drifting into groups."""
+    first to arrive running alone and the generations drifting into groups.
+
+    With `micro_batches` > 1, once `split_members` or more members are in, they split into that
+    many groups of about equal size, each gathering and running its own batches: the work each
+    batch feeds next (the generations' steps through a route of servers) then flows in
+    micro-batches, one group's on one hop while another's is on the next (`group_of` says which
+    group a member's calls run in)."""
 
     def __init__(
         self,
         run_batch: Callable[[list[T]], list[R]],
         run_sync: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync,
         inline_max_s: float = 0.0,
+        micro_batches: int = 1,
+        split_members: int = 4,
     ) -> None:
         """`inline_max_s`: a lone caller's batch of one runs on the event loop instead, once such
         a batch took at most this long (a worker thread's two switches then cost more than
         the loop loses)."""
+        if micro_batches < 1 or split_members < micro_batches:
+            raise ValueError(
+                f"micro_batches {micro_batches}, split_members {split_members}: give "
+                "1 <= micro_batches <= split_members"
+            )
+        self._micro_batches = micro_batches
+        self._split_members = split_members
         self._run_batch = run_batch
         self._run_sync = run_sync  # how a batch runs: in a worker thread
         self._inline_max_s = inline_max_s
@@ -92,12 +108,40 @@ class Coalescer(Generic[T, R]):
     @contextlib.contextmanager
     def member(self, key: Hashable) -> Iterator[None]:
         """While in this block, calls with `key` are one member's: batches wait for it."""
-        self._members[key] = _Member(joined=trio.current_time())
+        sizes = self._group_sizes()
+        group = min(range(self._micro_batches), key=lambda g: sizes[g])
+        self._members[key] = _Member(joined=trio.current_time(), group=group)
         try:
             yield
         finally:
             del self._members[key]
+            self._rebalance()
             self._notify()
+
+    def group_of(self, key: Hashable) -> int | None:
+        """The micro-batch `key`'s calls run in; None while the members are too few to split
+        (each call then runs with any other)."""
+        if self._micro_batches == 1 or len(self._members) < self._split_members:
+            return None
+        member = self._members.get(key)
+        return member.group if member is not None else 0
+
+    def _group_sizes(self) -> list[int]:
+        sizes = [0] * self._micro_batches
+        for member in self._members.values():
+            sizes[member.group] += 1
+        return sizes
+
+    def _rebalance(self) -> None:
+        """After a member left: the latest to join of the largest group moves to the smallest
+        while they differ by more than one."""
+        while True:
+            sizes = self._group_sizes()
+            large, small = sizes.index(max(sizes)), sizes.index(min(sizes))
+            if sizes[large] - sizes[small] <= 1:
+                return
+            latest = next(m for m in reversed(self._members.values()) if m.group == large)
+            latest.group = small
 
     async def __call__(self, item: T, key: Hashable | None = None) -> R:
         call: _Call[T, R] = _Call(item, key)
@@ -109,10 +153,12 @@ class Coalescer(Generic[T, R]):
                 if self._running:
                     await self._batch_over.wait()
                     continue
-                await self._gather(trio.current_time() + wait, period)
+                await self._gather(trio.current_time() + wait, period, self.group_of(key))
                 if self._running or call.finished:
                     continue
-                batch, self._pending = self._pending, []
+                group = self.group_of(key)  # anew: members may have left meanwhile
+                batch = [c for c in self._pending if self.group_of(c.key) == group]
+                self._pending = [c for c in self._pending if c not in batch]
                 self._running = True
                 try:
                     results = await self._run(batch)
@@ -166,11 +212,11 @@ class Coalescer(Generic[T, R]):
             return GATHER_FIRST_S, None
         return min(GATHER_FRACTION * member.period, GATHER_MAX_S), member.period
 
-    async def _gather(self, deadline: float, period: float | None) -> None:
-        """Until every member due has a call pending, or `deadline`, or a batch runs."""
+    async def _gather(self, deadline: float, period: float | None, group: int | None) -> None:
+        """Until every member of `group` due has a call pending, or `deadline`, or a batch runs."""
         while not self._running and (now := trio.current_time()) < deadline:
             pending = {c.key for c in self._pending}
-            members = self._members.items()
+            members = [(k, m) for k, m in self._members.items() if self.group_of(k) == group]
             if all(k in pending or not m.due(now, deadline, period) for k, m in members):
                 return
             with trio.move_on_at(deadline):

@@ -130,10 +130,14 @@ class HopSession:
         return self.conversation.session_id
 
     async def step(
-        self, hidden: torch.Tensor, codec: CompressionName, start_position: int | None = None
+        self,
+        hidden: torch.Tensor,
+        codec: CompressionName,
+        start_position: int | None = None,
+        micro_batch: int | None = None,
     ) -> torch.Tensor:
         step_id = next(self.step_ids)
-        await self.send_step(hidden, codec, step_id, start_position)
+        await self.send_step(hidden, codec, step_id, start_position, micro_batch=micro_batch)
         # In our dtype, whatever floating type the server chose to send.
         return (await self.receive_result(step_id)).hidden_states.to(hidden.dtype)
 
@@ -144,14 +148,17 @@ class HopSession:
         step_id: int,
         start_position: int | None = None,
         next_hops: tuple[wire.NextHop, ...] = (),
+        micro_batch: int | None = None,
     ) -> None:
-        """Send a step (naming `next_hops` to push it through); it is owed a reply from now."""
+        """Send a step (naming `next_hops` to push it through, in the client's group of sessions
+        `micro_batch`); it is owed a reply from now."""
         step = wire.Step(
             session_id=self.session_id,
             step_id=step_id,
             hidden_states=hidden,
             start_position=start_position,
             next_hops=next_hops,
+            micro_batch=micro_batch,
         )
         self.conversation.sent_step(step_id, tuple(hidden.shape), hidden.dtype)
         # Shielded: a cancel half-way through a frame would leave the stream unreadable for
@@ -231,7 +238,11 @@ class LocalHopSession:
         return self.hop.peer_id
 
     async def step(
-        self, hidden: torch.Tensor, codec: CompressionName, start_position: int | None = None
+        self,
+        hidden: torch.Tensor,
+        codec: CompressionName,
+        start_position: int | None = None,
+        micro_batch: int | None = None,  # our own server's steps merge with any
     ) -> torch.Tensor:
         try:
             return await self.local.step(hidden, start_position)

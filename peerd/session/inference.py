@@ -126,6 +126,16 @@ class InferenceSession:
         await self.route_keeper.open()
         return self
 
+    @property
+    def micro_batch(self) -> int | None:
+        """The group of this client's concurrent sessions its steps run with on the servers
+        (wire.Step.micro_batch): set by a generation before each step; None: with any."""
+        return self.runner.micro_batch
+
+    @micro_batch.setter
+    def micro_batch(self, group: int | None) -> None:
+        self.runner.micro_batch = group
+
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 

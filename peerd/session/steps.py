@@ -37,6 +37,9 @@ class StepRunner:
         self.codec = codec
         self.push = push
         self.hooks: list[StepHook] = []
+        # The group of the client's concurrent sessions the next steps belong to
+        # (wire.Step.micro_batch; set by the generation that runs them); None: merged with any.
+        self.micro_batch: int | None = None
 
     async def run(
         self, hidden: torch.Tensor, first_position: int, rewind: int | None
@@ -70,7 +73,7 @@ class StepRunner:
             hop = hops[i]
             sent = time.perf_counter()
             try:
-                output = await hop.step(hidden, self.codec, rewind)
+                output = await hop.step(hidden, self.codec, rewind, self.micro_batch)
             except PEER_FAULTS as e:
                 await self.route.replace(i, e)
                 continue  # the replacement hops start at the same block: retry with `hidden`
@@ -103,7 +106,9 @@ class StepRunner:
             hop.expect(step_id, hidden)
         sent = time.perf_counter()
         try:
-            await hops[0].send_step(hidden, self.codec, step_id, rewind, next_hops=chain)
+            await hops[0].send_step(
+                hidden, self.codec, step_id, rewind, next_hops=chain, micro_batch=self.micro_batch
+            )
         except PEER_FAULTS:
             return 0, hidden  # the relay loop retries hop 0 and replaces it if it is gone
         for i, hop in enumerate(hops):
