@@ -204,6 +204,18 @@ def test_an_empty_tensor_is_refused_on_both_sides(shape: tuple[int, ...]) -> Non
         wire.decode_message(frame)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_non_finite_value_anywhere_in_any_view_is_refused(dtype: torch.dtype, grad: bool) -> None:
+    base = torch.ones(2, 6, 8, dtype=dtype)
+    base[1, 4, 6] = float("nan")
+    view = base.transpose(0, 1)[:, :, 2:].requires_grad_(grad)  # not contiguous, nan kept
+    with pytest.raises(wire.NonFiniteTensor, match="nan or inf"):
+        wire.StepResult(session_id="s", step_id=0, hidden_states=view)
+    finite = base.nan_to_num().transpose(0, 1)[:, :, 2:].requires_grad_(grad)
+    wire.StepResult(session_id="s", step_id=0, hidden_states=finite)
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_a_non_finite_tensor_is_refused_on_both_sides(value: float) -> None:
     bad = torch.ones(1, 3, 4)

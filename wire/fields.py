@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import MISSING, dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 
 from wire.errors import MalformedMessage, NonFiniteTensor
@@ -273,8 +274,17 @@ def _tensor(field: WireField, value: Any, path: str) -> torch.Tensor:
     return value
 
 
+# Dtypes numpy checks in place: its isfinite over a CPU tensor's memory took 2.7 us for a decode
+# step's [4, 1, 576] against 11.7 us for torch's isfinite + all, and 42 against 622 us for a
+# [8, 100, 576] prefill (one thread); every message with hidden states is checked once on each
+# side, on the event loop.
+_NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)
+
+
 def _finite(tensor: torch.Tensor) -> bool:
-    # One pass with torch's threads; a bool tensor of numel bytes is the only allocation.
+    # A bool array of numel bytes is the only allocation.
+    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS and not tensor.requires_grad:
+        return bool(np.isfinite(tensor.numpy()).all())
     return bool(torch.isfinite(tensor).all())
 
 
