@@ -178,7 +178,11 @@ async def test_few_members_run_together_and_newcomers_join_the_smaller_group() -
         assert [coalescer.group_of(k) for k in "abc"] == [None] * 3  # fewer than split_members
         with coalescer.member("d"):
             assert [coalescer.group_of(k) for k in "abcd"] == [0, 1, 0, 1]
-            assert coalescer.group_of("not a member") == 0
+            assert coalescer.group_of("not a member") is None
+            with coalescer.member("unsplit", split=False):  # not counted, runs with non-members
+                assert [coalescer.group_of(k) for k in ("a", "d", "unsplit")] == [0, 1, None]
+        with coalescer.member("x", split=False):
+            assert [coalescer.group_of(k) for k in "abcx"] == [None] * 4  # 3 that may split
         with coalescer.member("e"):  # d left: group 1 is the smaller one
             assert [coalescer.group_of(k) for k in "abce"] == [0, 1, 0, 1]
 

@@ -6,6 +6,7 @@ magnitude."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from peerd.node.p2p import PUSH_PROTOCOL
 from peerd.node.streams import MessageStream
 from peerd.server.block_server import TEST_CORRUPT_ENV
 from peerd.session import hops
+from peerd.session.generation import Generator
 from peerd.session.inference import InferenceSession
 from peerd.session.swarm import SwarmView
 from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet, save_tiny_llama
@@ -333,3 +335,41 @@ async def test_a_sessions_micro_batch_reaches_every_hop_pushed_or_not(
             outputs.append(await session.step(steps[2]))
     assert seen == {name: [None, 1, 1] for name in names}
     assert_close_scaled(torch.cat(outputs, dim=1), reference)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda:0"])
+async def test_four_generations_on_cpu_servers_step_in_two_micro_batches(
+    tiny_llama: Path, device: str
+) -> None:
+    """Four concurrent generations split into two groups of two, each tagging its steps, where
+    every server of their routes computes on a CPU; on GPU servers they stay one group."""
+    seen: dict[str, list[int | None]] = {"head": [], "tail": []}
+    async with open_memnet() as net:
+        _serve(net, tiny_llama, {"head": (0, 3), "tail": (3, 6)})
+        for name in seen:
+            batcher = net.server(name).batcher
+            run = batcher.run
+
+            async def recorded(*args: Any, _run: Any = run, _name: str = name, **kw: Any) -> Any:
+                seen[_name].append(kw.get("micro_batch"))
+                return await _run(*args, **kw)
+
+            batcher.run = recorded  # type: ignore[method-assign]
+        view = _view(net)
+        view.records = {k: dataclasses.replace(r, device=device) for k, r in view.records.items()}
+        generator = Generator(blocks.load_client_side(tiny_llama), view)
+
+        async def generate(i: int) -> None:
+            prompt = torch.tensor([[1 + i, 2, 3]])
+            assert len([t async for t in generator.generate(prompt, 6)]) == 6
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(generate, i)
+    for name, groups in seen.items():
+        assert len(groups) == 4 * 6, name
+        if device == "cpu":  # untagged while fewer than four have joined (or after one left)
+            tagged = [g for g in groups if g is not None]
+            assert tagged.count(0) >= 8 and tagged.count(1) >= 8, (name, groups)
+        else:
+            assert groups == [None] * 24, (name, groups)

@@ -38,7 +38,7 @@ class _Call(Generic[T, R]):
 @dataclass
 class _Member:
     joined: float
-    group: int = 0  # its micro-batch (Coalescer `micro_batches`)
+    group: int | None = 0  # its micro-batch (Coalescer `micro_batches`); None: never split
     last: float | None = None  # when it last called
     period: float | None = None  # smoothed time between its calls
 
@@ -106,10 +106,11 @@ class Coalescer(Generic[T, R]):
         self.batches = 0
 
     @contextlib.contextmanager
-    def member(self, key: Hashable) -> Iterator[None]:
-        """While in this block, calls with `key` are one member's: batches wait for it."""
+    def member(self, key: Hashable, split: bool = True) -> Iterator[None]:
+        """While in this block, calls with `key` are one member's: batches wait for it. A member
+        that may not `split` runs with the others that may not, apart from the micro-batches."""
         sizes = self._group_sizes()
-        group = min(range(self._micro_batches), key=lambda g: sizes[g])
+        group = min(range(self._micro_batches), key=lambda g: sizes[g]) if split else None
         self._members[key] = _Member(joined=trio.current_time(), group=group)
         try:
             yield
@@ -119,17 +120,18 @@ class Coalescer(Generic[T, R]):
             self._notify()
 
     def group_of(self, key: Hashable) -> int | None:
-        """The micro-batch `key`'s calls run in; None while the members are too few to split
-        (each call then runs with any other)."""
-        if self._micro_batches == 1 or len(self._members) < self._split_members:
+        """The micro-batch `key`'s calls run in; None while the members that may split are too
+        few (each call then runs with any other), for one that may not, and for a non-member."""
+        if self._micro_batches == 1 or sum(self._group_sizes()) < self._split_members:
             return None
         member = self._members.get(key)
-        return member.group if member is not None else 0
+        return member.group if member is not None else None
 
     def _group_sizes(self) -> list[int]:
         sizes = [0] * self._micro_batches
         for member in self._members.values():
-            sizes[member.group] += 1
+            if member.group is not None:
+                sizes[member.group] += 1
         return sizes
 
     def _rebalance(self) -> None:
@@ -140,7 +142,8 @@ class Coalescer(Generic[T, R]):
             large, small = sizes.index(max(sizes)), sizes.index(min(sizes))
             if sizes[large] - sizes[small] <= 1:
                 return
-            latest = next(m for m in reversed(self._members.values()) if m.group == large)
+            members = reversed(self._members.values())
+            latest = next(m for m in members if m.group == large)
             latest.group = small
 
     async def __call__(self, item: T, key: Hashable | None = None) -> R:

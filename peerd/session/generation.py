@@ -58,7 +58,9 @@ INLINE_MAX_S = 0.05
 # idle; with two, one group's forward runs on a hop while the other's runs on the next. A forward
 # of fewer rows is cheaper on a CPU (10 blocks of the default model on one core: 8 merged rows
 # ~30 ms, 4 rows ~20 ms), so 8 sessions through three local daemons on two cores made 65-66
-# tokens/s in two groups against 47-56 in one (docs/swarm.md).
+# tokens/s in two groups against 47-56 in one (docs/swarm.md). On a GPU a forward of 4 rows costs
+# what one of 8 does: there the split would only double the servers' forwards, so only
+# generations whose every server says it computes on a CPU (its record's `device`) split.
 MICRO_BATCHES = 2
 SPLIT_GENERATIONS = 4
 
@@ -225,7 +227,7 @@ class Generator:
         eos = torch.tensor(list(eos_token_ids), dtype=torch.long)
         me = object()  # our calls of the LM head: concurrent generations wait for each other
         try:
-            with self._next_tokens.member(me):
+            with self._next_tokens.member(me, split=_on_cpus(session)):
                 for _ in range(max_new_tokens):
                     # A table look-up of a few rows: cheaper here than a hand-off to a thread.
                     hidden = self._embed(step_input)
@@ -242,3 +244,8 @@ class Generator:
                             return
         finally:
             session.micro_batch = None  # a session used on (a chat's next turn) starts ungrouped
+
+
+def _on_cpus(session: InferenceSession) -> bool:
+    """Every server of the session's route computes on a CPU (MICRO_BATCHES)."""
+    return all(hop.hop.record.device == "cpu" for hop in session.hops)
