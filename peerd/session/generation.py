@@ -57,10 +57,10 @@ INLINE_MAX_S = 0.05
 # client wait in turn for the group's one merged forward, and while one computes the others sit
 # idle; with two, one group's forward runs on a hop while the other's runs on the next. A forward
 # of fewer rows is cheaper on a CPU (10 blocks of the default model on one core: 8 merged rows
-# ~30 ms, 4 rows ~20 ms), so 8 sessions through three local daemons on two cores made 65-66
-# tokens/s in two groups against 47-56 in one (docs/swarm.md). On a GPU a forward of 4 rows costs
-# what one of 8 does: there the split would only double the servers' forwards, so only
-# generations whose every server says it computes on a CPU (its record's `device`) split.
+# ~30 ms, 4 rows ~20 ms), so 8 sessions through three local daemons on two cores made 58-59
+# tokens/s in two groups against 41-54 in one (bench batch, docs/swarm.md). On a GPU a forward
+# of 4 rows costs what one of 8 does: there the split would only double the servers' forwards,
+# so only generations whose every server says it computes on a CPU (its record's `device`) split.
 MICRO_BATCHES = 2
 SPLIT_GENERATIONS = 4
 
