@@ -306,6 +306,21 @@ async def test_an_allowed_server_that_just_failed_is_waited_for_not_called_absen
     assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
 
 
+def _micro_batches_seen(net: MemNet, names: list[str]) -> dict[str, list[int | None]]:
+    """Per server, the micro_batch of every step its batcher gets from now on."""
+    seen: dict[str, list[int | None]] = {name: [] for name in names}
+    for name in names:
+        batcher = net.server(name).batcher
+        run = batcher.run
+
+        async def recorded(*args: Any, _run: Any = run, _name: str = name, **kw: Any) -> Any:
+            seen[_name].append(kw.get("micro_batch"))
+            return await _run(*args, **kw)
+
+        batcher.run = recorded  # type: ignore[method-assign]
+    return seen
+
+
 async def test_a_sessions_micro_batch_reaches_every_hop_pushed_or_not(
     tiny_llama: Path, whole: blocks.Span
 ) -> None:
@@ -315,18 +330,9 @@ async def test_a_sessions_micro_batch_reaches_every_hop_pushed_or_not(
     steps = _steps(4, (5, 1, 1))
     reference = _reference(whole, steps)
     names = ["head", "mid", "tail"]
-    seen: dict[str, list[int | None]] = {name: [] for name in names}
     async with open_memnet() as net:
         _serve(net, tiny_llama, {"head": (0, 2), "mid": (2, 4), "tail": (4, 6)})
-        for name in names:
-            batcher = net.server(name).batcher
-            run = batcher.run
-
-            async def recorded(*args: Any, _run: Any = run, _name: str = name, **kw: Any) -> Any:
-                seen[_name].append(kw.get("micro_batch"))
-                return await _run(*args, **kw)
-
-            batcher.run = recorded  # type: ignore[method-assign]
+        seen = _micro_batches_seen(net, names)
         async with InferenceSession(_view(net), max_length=16) as session:
             outputs = [await session.step(steps[0])]  # ungrouped
             session.micro_batch = 1
@@ -343,18 +349,9 @@ async def test_four_generations_on_cpu_servers_step_in_two_micro_batches(
 ) -> None:
     """Four concurrent generations split into two groups of two, each tagging its steps, where
     every server of their routes computes on a CPU; on GPU servers they stay one group."""
-    seen: dict[str, list[int | None]] = {"head": [], "tail": []}
     async with open_memnet() as net:
         _serve(net, tiny_llama, {"head": (0, 3), "tail": (3, 6)})
-        for name in seen:
-            batcher = net.server(name).batcher
-            run = batcher.run
-
-            async def recorded(*args: Any, _run: Any = run, _name: str = name, **kw: Any) -> Any:
-                seen[_name].append(kw.get("micro_batch"))
-                return await _run(*args, **kw)
-
-            batcher.run = recorded  # type: ignore[method-assign]
+        seen = _micro_batches_seen(net, ["head", "tail"])
         view = _view(net)
         view.records = {k: dataclasses.replace(r, device=device) for k, r in view.records.items()}
         generator = Generator(blocks.load_client_side(tiny_llama), view)
