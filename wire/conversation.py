@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 import torch
 
 from wire.errors import ProtocolError
+from wire.fields import all_finite
 from wire.peer_protocol import (
     Backward,
     BackwardResult,
@@ -421,9 +422,9 @@ def check_step_output(
             f"the reply to step {step_id} has hidden states of shape {list(hidden.shape)}; the "
             f"step's input was {list(shape)} and a span's output has its input's shape"
         )
-    if dtype is not None:
+    if dtype is not None and hidden.dtype != dtype:
         hidden = hidden.to(dtype)
-    if not bool(torch.isfinite(hidden).all()):
+    if not all_finite(hidden):
         raise BadReply(f"the reply to step {step_id} has hidden states that are not finite")
 
 

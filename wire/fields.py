@@ -266,7 +266,7 @@ def _tensor(field: WireField, value: Any, path: str) -> torch.Tensor:
             f"{path}: has shape {list(value.shape)}, with no values: every dimension must be at "
             "least 1 (a step or pass carries at least one token of one sequence)"
         )
-    if not rule.allow_nonfinite and value.is_floating_point() and not _finite(value):
+    if not rule.allow_nonfinite and value.is_floating_point() and not all_finite(value):
         raise NonFiniteTensor(
             f"{path}: holds nan or inf values: peers exchange finite values only (the sender's "
             "computation overflowed or diverged: check its inputs and dtype)"
@@ -281,8 +281,8 @@ def _tensor(field: WireField, value: Any, path: str) -> torch.Tensor:
 _NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)
 
 
-def _finite(tensor: torch.Tensor) -> bool:
-    # A bool array of numel bytes is the only allocation.
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No nan or inf in `tensor` (a bool array of numel bytes is the only allocation)."""
     if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS and not tensor.requires_grad:
         return bool(np.isfinite(tensor.numpy()).all())
     return bool(torch.isfinite(tensor).all())
