@@ -284,7 +284,10 @@ _NUMPY_FLOATS = (torch.float32, torch.float16, torch.float64)
 def all_finite(tensor: torch.Tensor) -> bool:
     """No nan or inf in `tensor` (a bool array of numel bytes is the only allocation)."""
     if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS and not tensor.requires_grad:
-        return bool(np.isfinite(tensor.numpy()).all())
+        try:
+            return bool(np.isfinite(tensor.numpy()).all())
+        except (RuntimeError, TypeError):  # a view numpy cannot share (a lazy negation or conj)
+            pass
     return bool(torch.isfinite(tensor).all())
 
 
