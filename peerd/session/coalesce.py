@@ -122,10 +122,13 @@ class Coalescer(Generic[T, R]):
     def group_of(self, key: Hashable) -> int | None:
         """The micro-batch `key`'s calls run in; None while the members that may split are too
         few (each call then runs with any other), for one that may not, and for a non-member."""
+        return self._groups().get(key)
+
+    def _groups(self) -> dict[Hashable, int | None]:
+        """Every member's micro-batch now (group_of), in one pass over the members."""
         if self._micro_batches == 1 or sum(self._group_sizes()) < self._split_members:
-            return None
-        member = self._members.get(key)
-        return member.group if member is not None else None
+            return dict.fromkeys(self._members)
+        return {key: member.group for key, member in self._members.items()}
 
     def _group_sizes(self) -> list[int]:
         sizes = [0] * self._micro_batches
@@ -159,8 +162,8 @@ class Coalescer(Generic[T, R]):
                 await self._gather(trio.current_time() + wait, period, self.group_of(key))
                 if self._running or call.finished:
                     continue
-                group = self.group_of(key)  # anew: members may have left meanwhile
-                batch = [c for c in self._pending if self.group_of(c.key) == group]
+                groups = self._groups()  # anew: members may have left meanwhile
+                batch = [c for c in self._pending if groups.get(c.key) == groups.get(key)]
                 self._pending = [c for c in self._pending if c not in batch]
                 self._running = True
                 try:
@@ -219,7 +222,8 @@ class Coalescer(Generic[T, R]):
         """Until every member of `group` due has a call pending, or `deadline`, or a batch runs."""
         while not self._running and (now := trio.current_time()) < deadline:
             pending = {c.key for c in self._pending}
-            members = [(k, m) for k, m in self._members.items() if self.group_of(k) == group]
+            groups = self._groups()
+            members = [(k, m) for k, m in self._members.items() if groups[k] == group]
             if all(k in pending or not m.due(now, deadline, period) for k, m in members):
                 return
             with trio.move_on_at(deadline):
