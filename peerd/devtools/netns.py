@@ -65,8 +65,8 @@ def check_available() -> None:
     for tool in ("ip", "iptables", "tc"):
         if shutil.which(tool) is None:
             raise NetnsUnavailable(
-                f"`{tool}` is missing: run scripts/setup.sh as root (it installs iproute2 and "
-                "iptables)"
+                f"`{tool}` is missing: install iproute2 and iptables (scripts/test.sh does it as "
+                "root: `apt-get install iproute2 iptables`)"
             )
 
 
