@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import collections
 import ctypes
-import ctypes.util
 import random
 import select
 import socket
@@ -79,12 +78,10 @@ def _packet_ids(data: bytes) -> list[int]:
 
 def _fine_timer_slack() -> None:
     """Ask the kernel to wake this process within 1 us of its timeouts (PR_SET_TIMERSLACK; the
-    default slack is 50 us): the delay is the link's, so it should not wander with our wake-ups."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # not Linux's libc: the default slack only costs tens of microseconds
+    default slack is 50 us): the delay is the link's, so it should not wander with our wake-ups.
+    Best effort: if the kernel refuses, the default slack costs only tens of microseconds. Called
+    once the netlink socket is open, so this is Linux and its libc has prctl."""
+    ctypes.CDLL(None).prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0)
 
 
 def run(queue: int, delay_s: float, jitter_s: float = 0.0) -> None:
