@@ -117,8 +117,11 @@ def test_chat_in_a_terminal_reuses_the_session(swarm: LocalSwarm, tokenizer: Any
         # Speculation off: the servers' token count below would include drafts that fell.
         [*CHAT_ARGS, str(swarm.daemons[0].socket), "--max-new-tokens", "300", "--speculate", "off"],
         encoding="utf-8",
-        timeout=120,
+        # A guard against a hang, not a speed check: a loaded 2-core machine runs the chat at a
+        # few tokens/s, and an answer may use most of its 300 tokens.
+        timeout=300,
     )
+    chat.logfile_read = sys.stdout  # what the terminal showed, in the report of a failure
     try:
         chat.expect("peerd chat with smollm2-135m-instruct through 3 servers")
         chat.expect(">>> ")

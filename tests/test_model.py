@@ -152,15 +152,30 @@ def test_an_interrupted_generation_leaves_the_model_usable(
 
     main = threading.main_thread().ident
     assert main is not None and threading.get_ident() == main
-    # A real SIGINT to this thread, so it lands inside a blocking read as Ctrl-C would.
-    ctrl_c = threading.Timer(0.5, signal.pthread_kill, (main, signal.SIGINT))
+    # A real SIGINT to this thread, so it lands inside a blocking read as Ctrl-C would. It is
+    # sent again until it has been taken (a slow machine may still be setting up at the first
+    # one), and only the first one raises: a second Ctrl-C must not land in the cleanup below.
+    taken = threading.Event()
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        if not taken.is_set():
+            taken.set()
+            raise KeyboardInterrupt
+
+    def press_ctrl_c() -> None:
+        while not taken.wait(0.5):
+            signal.pthread_kill(main, signal.SIGINT)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    ctrl_c = threading.Thread(target=press_ctrl_c, daemon=True)
     ctrl_c.start()
     try:
         with pytest.raises(KeyboardInterrupt):
             model.generate(prompt, max_new_tokens=200)
     finally:
-        ctrl_c.cancel()
+        taken.set()
         ctrl_c.join()
+        signal.signal(signal.SIGINT, previous)
     output = model.generate(prompt, max_new_tokens=8)
     assert output.tolist() == reference[:, : prompt.shape[1] + 8].tolist()
 
