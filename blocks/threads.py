@@ -1,14 +1,16 @@
 """How many CPU threads a forward through a span uses, chosen per pass by its size.
 
-A decode step is one token per sequence: on a CPU its matrix products are too small to split,
-and a daemon pinned to one thread (`peerd start --torch-threads 1`, what a machine shared with
-other daemons wants) loses nothing on it. A prompt's pass (prefill) is many tokens: its matrix
+A decode step is one token per sequence: on some CPUs its matrix products are too small to
+split, and a daemon pinned to one thread (`peerd start --torch-threads 1`, what a machine shared
+with other daemons wants) loses nothing on it; on others (MKL's one-row path) two threads run
+it 1.6x faster. A prompt's pass (prefill) is many tokens: its matrix
 products split well, and the first token waits for it, so it wants every core the machine gives
 the daemon. `ThreadPolicy` sets torch's thread count before each pass of at least
 `prefill_rows` rows (batch x tokens) to `prefill`, and before smaller ones to `decode`.
 
 torch's thread count is per OS thread where it matters (OpenMP's), so it is set in the thread
-that runs the forward (a daemon's compute worker), and only when it changes.
+that runs the forward (the process's compute thread, peerd.node.compute_thread), and only when
+it changes.
 """
 
 from __future__ import annotations

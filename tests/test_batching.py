@@ -261,6 +261,8 @@ async def test_a_lone_sessions_short_steps_run_on_the_loop_and_shared_or_long_on
     # session that stepped counts as active.
     monkeypatch.setattr("peerd.server.compute.INLINE_MAX_S", 60.0)
     monkeypatch.setattr("peerd.server.batching.ACTIVE_S", 600.0)
+    # Decode passes on one torch thread (--torch-threads 1): only those may run on the loop.
+    monkeypatch.setattr(blocks.threads, "POLICY", blocks.threads.ThreadPolicy(decode=1))
     cache = blocks.MemoryCache(budget_tokens=10_000)
     lone, other = _prefilled(span, cache, [4, 4])
     want = [
@@ -270,17 +272,23 @@ async def test_a_lone_sessions_short_steps_run_on_the_loop_and_shared_or_long_on
     batcher = StepBatcher(ComputeQueue())
     threads.clear()
     got = [await batcher.run(span, lone, torch.full((1, 1, 32), 0.1 * i), "a") for i in range(3)]
-    # The first short step runs in the worker thread (nothing timed yet); then on the loop.
+    # The first short step runs on the compute thread (nothing timed yet); then on the loop.
     assert threads == [False, True, True]
     for g, w in zip(got, want, strict=True):
         assert float((g - w).abs().max()) <= 1e-5 * float(w.abs().max())
-    # A step longer than INLINE_MAX_TOKENS goes to the worker thread.
+    # A step longer than INLINE_MAX_TOKENS goes to the compute thread.
     await batcher.run(span, lone, torch.randn(1, INLINE_MAX_TOKENS + 1, 32), "a")
     assert threads[-1] is False
     # Another peer's session stepped just now: steps are the batcher's to merge, in the thread.
     await batcher.run(span, other, torch.randn(1, 1, 32), "b")
     await batcher.run(span, lone, torch.randn(1, 1, 32), "a")
     assert threads[-2:] == [False, False]
+    # Decode on two threads: never on the loop, whose own OpenMP team would slow every pass.
+    monkeypatch.setattr(blocks.threads, "POLICY", blocks.threads.ThreadPolicy(decode=2))
+    fresh = StepBatcher(ComputeQueue())
+    for _ in range(3):
+        await fresh.run(span, lone, torch.randn(1, 1, 32), "a")
+    assert threads[-3:] == [False, False, False]
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import trio
 
 import blocks
 from peerd.devtools.localswarm import LocalSwarm
+from peerd.node import compute_thread
 from peerd.session.inference import InferenceSession
 from peerd.session.leech import Leech, open_leech
 
@@ -34,9 +35,11 @@ def _prompt_ids(tokenizer: Any) -> torch.Tensor:
 
 
 def _local_run(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, float, list[int]]:
-    """(prefill seconds, decode tokens/s, tokens) of greedy generation by transformers."""
+    """(prefill seconds, decode tokens/s, tokens) of greedy generation by transformers (on the
+    compute thread, where the swarm's client does its passes: see run_swarm_bench)."""
     from transformers import DynamicCache
 
+    blocks.threads.apply(ids.shape[1])  # the policy's count (run_swarm_bench: one for all passes)
     with torch.inference_mode():
         started = time.perf_counter()
         cache = DynamicCache()
@@ -74,14 +77,17 @@ async def _swarm_run(
 def run_swarm_bench(runs: int = 3, new_tokens: int = 64, torch_threads: int = 2) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(torch_threads)
+    # Every torch pass here (the local model, the client's LM head) runs on the compute thread
+    # with `torch_threads` threads, as in a daemon (peerd.node.compute_thread).
+    blocks.threads.configure(torch_threads, torch_threads)
+    compute_thread.quiet_event_loop_thread()
     checkpoint = blocks.resolve_checkpoint("default")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     client = blocks.load_client_side(checkpoint)
     ids = _prompt_ids(client.tokenizer)
-    # One thread per daemon: three daemons' threads would crowd two cores. (A lone step in the
-    # doubled one-row form, blocks.skinny, is faster on two only while the other core is free.)
-    swarm = LocalSwarm(refresh_period=30.0, torch_threads=1, throughput="auto")
+    # Each daemon (a machine of its own) gets the local model's threads: one generation's step is
+    # on one hop at a time, and idle OpenMP threads sleep after a short spin (peerd/__init__.py).
+    swarm = LocalSwarm(refresh_period=30.0, torch_threads=torch_threads, throughput="auto")
     try:
         for name, span in (("a", "0:10"), ("b", "10:20"), ("c", "20:30")):
             swarm.start(name, span, online=True)
@@ -91,9 +97,11 @@ def run_swarm_bench(runs: int = 3, new_tokens: int = 64, torch_threads: int = 2)
             same = True
             async with open_leech("default", swarm.initial_peers, refresh_period=30.0) as leech:
                 await _swarm_run(leech, ids, 4)  # warm-up: connections, first allocations
-                _local_run(model, ids, 4)
+                await compute_thread.run(_local_run, model, ids, 4)
                 for _ in range(runs):
-                    local_prefill, local_tps, local_tokens = _local_run(model, ids, new_tokens)
+                    local_prefill, local_tps, local_tokens = await compute_thread.run(
+                        _local_run, model, ids, new_tokens
+                    )
                     ttft, tps, swarm_tokens = await _swarm_run(leech, ids, new_tokens)
                     _, relay_tps, relay_tokens = await _swarm_run(leech, ids, new_tokens, False)
                     same &= local_tokens == swarm_tokens == relay_tokens

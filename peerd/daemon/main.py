@@ -22,7 +22,8 @@ from peerd.daemon.contributions import watch_standing
 from peerd.daemon.local_api import LocalApi, build_status
 from peerd.daemon.logs import configure_logging as configure_logging
 from peerd.daemon.models import ModelSetupError, SwarmModels, known_checkpoints
-from peerd.daemon.startup import EXPECTED_FAILURES, claim_machine
+from peerd.daemon.startup import EXPECTED_FAILURES, claim_machine, set_up_threads
+from peerd.node import compute_thread
 from peerd.node.p2p import (
     INFERENCE_PROTOCOL,
     INFO_PROTOCOL,
@@ -215,7 +216,7 @@ class Daemon:
 
     async def run(self) -> None:
         config = self.config
-        blocks.threads.configure(config.torch_threads, config.prefill_threads)
+        set_up_threads(config.torch_threads, config.prefill_threads)
         # Our records are re-provided every period; keep them a few periods, not 48 h.
         set_provider_record_ttl(3 * config.refresh_period)
         async with open_node(
@@ -340,7 +341,7 @@ class Daemon:
     async def _load_and_go_online(self, start: int, end: int) -> None:
         assert self.server is not None
         s = self.config.serving
-        span = await trio.to_thread.run_sync(
+        span = await compute_thread.run(
             blocks.load_span, self.checkpoint, start, end, s.dtype, s.device, self.adapters, s.quant
         )
         cache = blocks.MemoryCache(budget_tokens=self.config.cache_tokens)
@@ -389,8 +390,7 @@ class Daemon:
     async def _throughput(self, span: blocks.Span) -> float:
         if self.config.throughput != "auto":
             return float(self.config.throughput)
-        measured = await self.compute.run(0, lambda: blocks.measure_throughput(span))
-        return float(measured.decode_tps)
+        return float((await self.compute.run(0, blocks.measure_throughput, span)).decode_tps)
 
     async def _announce_forever(self) -> None:
         assert self.swarm is not None and self.server is not None

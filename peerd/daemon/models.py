@@ -29,6 +29,7 @@ import wire
 from blocks.checkpoint import DEFAULT_MODEL
 from blocks.default_model import NAME as DEFAULT_NAME
 from peerd.daemon.api_session import ApiError
+from peerd.node import compute_thread
 from peerd.node.p2p import JOINED_PROTOCOL, LEAVING_PROTOCOL
 from peerd.session.generation import Generator
 from peerd.session.swarm import SwarmView
@@ -225,7 +226,7 @@ class SwarmModels:
                     path = await self._resolve(model)
                     on = self.serving
                     load = blocks.load_client_side
-                    client = await trio.to_thread.run_sync(load, path, on.dtype, on.device)
+                    client = await compute_thread.run(load, path, on.dtype, on.device)
                 except (OSError, ValueError, blocks.BlocksError) as e:
                     raise ApiError(
                         wire.ErrorCode.UNSUPPORTED,

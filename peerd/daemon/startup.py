@@ -18,9 +18,11 @@ import os
 import socket
 from pathlib import Path
 
+import torch
 from multiaddr import Multiaddr
 
 import blocks
+from peerd.node import compute_thread
 from peerd.node.identity import HeldIdentity, IdentityError, IdentityInUse, hold_identity
 from peerd.node.p2p import BadMultiaddr, parse_peer_maddr
 from peerd.paths import default_socket_path, state_dir
@@ -127,3 +129,12 @@ def _free_identity(taken: Path, socket_path: Path) -> Path:
     while (candidate := taken.with_name(f"{taken.stem}-{number}{taken.suffix}")).exists():
         number += 1
     return candidate
+
+
+def set_up_threads(torch_threads: int | None, prefill_threads: int | None) -> None:
+    """Torch passes run on the compute thread with `torch_threads` threads for decode steps
+    (None: torch's count, every core) and `prefill_threads` for prompts; the event loop's thread
+    keeps one (peerd.node.compute_thread says why)."""
+    cores = torch.get_num_threads()
+    blocks.threads.configure(torch_threads or cores, prefill_threads)
+    compute_thread.quiet_event_loop_thread()

@@ -36,6 +36,7 @@ import torch
 import trio
 
 from blocks import Span, SpanSession
+from blocks import threads as torch_threads
 from peerd.server.compute import PRIORITY_INFERENCE, ComputeQueue
 from peerd.server.lane import LowPriorityLane, lanes_supported
 from peerd.server.priority import CONTRIBUTOR, TAKER, Priority, Reservation
@@ -44,8 +45,7 @@ from peerd.server.steps import BatchCounters, Recent, Step, StepTimes
 # Most rows one merged forward takes; the rest wait for the next round (keeps a round short).
 MAX_BATCH_ROWS = 32
 # Steps of up to this many tokens merge with others of about their length (decode steps with
-# decode steps, small prefills, short replays); longer ones run alone, one chunk
-# (Span.chunk_tokens) per turn.
+# decode steps, small prefills, short replays); longer ones run alone, a chunk a turn.
 MERGE_MAX_TOKENS = 16
 # Steps that ran together in one forward come back together: the previous server pushes its
 # merged outputs one after another, a client sends the steps of one LM-head pass one after
@@ -63,8 +63,7 @@ GATHER_MAX_S = 0.1
 # after another, not for a partner that a takers' turn delays on another hop (waiting for it
 # would cost the step that turn's time on every later hop too).
 RESERVED_GATHER_S = 0.01
-# A session that stepped longer ago than this has left its cohort (it finished or stalls).
-ACTIVE_S = 1.0
+ACTIVE_S = 1.0  # a session that stepped longer ago has left its cohort (finished or stalls)
 # With priority by standing, a long step runs at most this many tokens per turn: a contributor's
 # step cannot preempt the turn under way, so it waits for that turn on every hop, and a whole
 # prefill chunk (Span.chunk_tokens) takes several decode steps' time.
@@ -74,9 +73,9 @@ PRIORITY_TURN_TOKENS = 64
 # decode step ~16 ms), so a contributor's step that finds one under way waits ~15 ms for it on
 # average, for less takers' throughput per turn of the device (takers rest meanwhile anyway).
 RESERVED_TURN_TOKENS = 16
-# A lone short step (at most INLINE_MAX_TOKENS rows x tokens, no other session active) may run on
-# the event loop (ComputeQueue.run's `inline`): a decode forward's hand-off to the worker thread
-# and back cost ~0.6 ms a hop on the 2-core development machine.
+# A lone short step (at most INLINE_MAX_TOKENS rows x tokens, no other session active) on one torch
+# thread (peerd.node.compute_thread) may run on the event loop (ComputeQueue.run's `inline`): the
+# hand-off to the compute thread and back cost ~0.6 ms a hop on the 2-core development machine.
 INLINE_MAX_TOKENS = 16
 
 
@@ -195,6 +194,7 @@ class StepBatcher:
         return (
             alone
             and step.rows * step.left <= INLINE_MAX_TOKENS
+            and torch_threads.POLICY.threads_for(step.rows * step.left) == 1
             and not (self._reserving or self._lane_busy)
             and all(
                 other.session is step.session or now - other.at > ACTIVE_S or other.session.closed

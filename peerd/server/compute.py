@@ -1,5 +1,5 @@
-"""The compute queue of one device: torch work runs in a worker thread, one job at a time, with
-inference steps served before forward/backward passes of training.
+"""The compute queue of one device: torch work runs on the process's compute thread, one job at a
+time, with inference steps served before forward/backward passes of training.
 
 Going first is not enough for inference when training floods a server: every step still waits
 for the slice under way, and on a machine shared with other daemons (the next hops of the same
@@ -20,6 +20,7 @@ from typing import TypeVar
 
 import trio
 
+from peerd.node import compute_thread
 from peerd.server.memory import MemoryTrim
 
 T = TypeVar("T")
@@ -38,9 +39,10 @@ TRAINING_REST = 1.0
 SLICE_S = 0.25
 MAX_REST = 4.0
 # A job offered `inline` runs on the event loop when the device is free and the last job offered
-# so took at most this long: for a few milliseconds of work nobody waits behind, the worker
+# so took at most this long: for a few milliseconds of work nobody waits behind, the compute
 # thread's two switches cost more than the loop loses (a loop busy for tens of milliseconds
-# delays nothing; yamux resets a stream only after 5 s).
+# delays nothing; yamux resets a stream only after 5 s). Only single-threaded passes are offered:
+# a second OpenMP team on the loop's thread would slow every pass (peerd.node.compute_thread).
 INLINE_MAX_S = 0.05
 
 
@@ -72,8 +74,9 @@ class ComputeQueue:
     async def run(
         self, priority: int, fn: Callable[..., T], *args: object, inline: bool = False
     ) -> T:
-        """fn(*args) on the device (in a worker thread), after the jobs ahead of it. `inline`: a
-        short job, to run here on the event loop if the device is free (INLINE_MAX_S)."""
+        """fn(*args) on the device (on the process's compute thread, peerd.node.compute_thread),
+        after the jobs ahead of it. `inline`: a short job, to run here on the event loop if the
+        device is free (INLINE_MAX_S); offer it only for a pass that runs on one torch thread."""
         if priority == PRIORITY_INFERENCE:
             # Demand counts, not only completion: a step that waited for a slice longer than
             # INFERENCE_ACTIVE_S (a long row on a loaded machine) makes that slice rest too.
@@ -99,9 +102,12 @@ class ComputeQueue:
                 raise
         self._busy = True
         try:
+            # Let the tasks ready now (steps that came with this one) queue first: the job picks
+            # its batch when it starts, and the compute thread starts it at once.
+            await trio.lowlevel.cancel_shielded_checkpoint()
             if inline:
-                return await trio.to_thread.run_sync(self._timed, fn, *args)
-            return await trio.to_thread.run_sync(fn, *args)
+                return await compute_thread.run(self._timed, fn, *args)
+            return await compute_thread.run(fn, *args)
         finally:
             self._done(priority)
 

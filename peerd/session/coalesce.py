@@ -1,4 +1,4 @@
-"""Concurrent calls whose work is cheaper done together run as one batch in a worker thread."""
+"""Concurrent calls whose work is cheaper done together run as one batch on the compute thread."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import trio
+
+from peerd.node import compute_thread
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -79,7 +81,7 @@ class Coalescer(Generic[T, R]):
     def __init__(
         self,
         run_batch: Callable[[list[T]], list[R]],
-        run_sync: Callable[..., Awaitable[Any]] = trio.to_thread.run_sync,
+        run_sync: Callable[..., Awaitable[Any]] = compute_thread.run,
         inline_max_s: float = 0.0,
         micro_batches: int = 1,
         split_members: int = 4,
@@ -95,7 +97,7 @@ class Coalescer(Generic[T, R]):
         self._micro_batches = micro_batches
         self._split_members = split_members
         self._run_batch = run_batch
-        self._run_sync = run_sync  # how a batch runs: in a worker thread
+        self._run_sync = run_sync  # how a batch runs: on the compute thread
         self._inline_max_s = inline_max_s
         self._lone_s = float("inf")  # how long the last batch of one call took
         self._pending: list[_Call[T, R]] = []

@@ -1,12 +1,12 @@
 """Token generation through the swarm: prefill, decode one token at a time, sample.
 
 The client holds the embeddings and LM head (blocks.ClientSide); the decoder blocks are remote,
-behind an InferenceSession. The LM head and sampling, the one heavy torch call here, run in a
-worker thread (batched over concurrent generations by a Coalescer) so the event loop keeps
-serving streams meanwhile, except for a lone generation whose pass is short (INLINE_MAX_S): then
-on the loop, as the embedding look-up of a step's few tokens always does, where it costs less
-than the hand-off would. A single prompt is a batch of one: every path takes
-[batch, tokens] ids.
+behind an InferenceSession. The LM head and sampling, the one heavy torch call here, run on the
+process's compute thread (peerd.node.compute_thread; batched over concurrent generations by a
+Coalescer) so the event loop keeps serving streams meanwhile, except for a lone generation whose
+pass is short (INLINE_MAX_S) and single-threaded: then on the loop, as the embedding look-up of a
+step's few tokens always does, where it costs less than the hand-off would. A single prompt is a
+batch of one: every path takes [batch, tokens] ids.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import trio
 
 from blocks import ClientSide, GenerationDefaults
+from blocks import threads as torch_threads
+from peerd.node import compute_thread
 from peerd.session.coalesce import Coalescer
 from peerd.session.drafting import Drafter, DraftModel, PromptLookup, load_draft_model
 from peerd.session.inference import InferenceSession
@@ -50,7 +51,7 @@ __all__ = [
 
 # A lone generation's LM-head pass runs on the event loop once such a pass took at most this
 # long (7 ms for the default model on the 2-core development machine, where handing it to a
-# worker thread and back cost ~0.6 ms of each token).
+# worker thread and back cost ~0.6 ms of each token), if it runs on one torch thread.
 INLINE_MAX_S = 0.05
 # Concurrent generations, once SPLIT_GENERATIONS or more, take their LM-head passes and steps in
 # MICRO_BATCHES groups (wire.Step.micro_batch): with one group, every hop of the route and the
@@ -123,13 +124,15 @@ class Generator:
         # Concurrent generations (local clients, gateway users) share LM-head passes.
         self._next_tokens = Coalescer(
             self._sample_rows,
-            inline_max_s=INLINE_MAX_S,
+            run_sync=compute_thread.run,
+            inline_max_s=INLINE_MAX_S if torch_threads.POLICY.threads_for(1) == 1 else 0.0,
             micro_batches=MICRO_BATCHES,
             split_members=SPLIT_GENERATIONS,
         )
 
     def _sample_rows(self, requests: list[_NextToken]) -> list[torch.Tensor]:
         """The next token of each request, with one LM-head pass over all their rows."""
+        torch_threads.apply(sum(r.hidden.shape[0] for r in requests))
         with torch.inference_mode():
             logits = self.client.logits(torch.cat([r.hidden for r in requests]))
             rows = logits.split([r.hidden.shape[0] for r in requests])
@@ -182,7 +185,7 @@ class Generator:
                     )
                 )
             if speculate is not None and speculate.on and input_ids.shape[0] == 1:
-                decoder = await trio.to_thread.run_sync(
+                decoder = await compute_thread.run(
                     self.speculative_decoder, speculate, params, generator
                 )
                 decoder.tally = tally if tally is not None else decoder.tally

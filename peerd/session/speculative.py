@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import torch
-import trio
 
+from peerd.node import compute_thread
 from peerd.session.drafting import Draft, Drafter
 from peerd.session.sampling import SamplingParams, apply_repetition_penalty, logits_to_probs
 
@@ -344,7 +344,7 @@ class SpeculativeDecoder:
                 hidden = await chain.step(self.embed(torch.tensor([step])))
                 seconds = time.perf_counter() - sent
                 rows = hidden[0, len(pending) - 1 :]
-                accepted, token = await trio.to_thread.run_sync(self._verify, rows, sequence, draft)
+                accepted, token = await compute_thread.run(self._verify, rows, sequence, draft)
                 # The prompt's pass is no measure of a decode pass's cost.
                 timed = seconds if produced > 0 else None
                 self.policy.record(len(step), len(draft.tokens), accepted, timed)
@@ -372,7 +372,7 @@ class SpeculativeDecoder:
         args = (list(sequence), k, self.params, self.generator)
         if getattr(self.drafter, "cheap", False):  # microseconds: less than a hand-off costs
             return self.drafter.propose(*args)
-        return await trio.to_thread.run_sync(self.drafter.propose, *args)
+        return await compute_thread.run(self.drafter.propose, *args)
 
     def _verify(self, rows: torch.Tensor, sequence: list[int], draft: Draft) -> tuple[int, int]:
         with torch.inference_mode():
