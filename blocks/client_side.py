@@ -3,6 +3,10 @@ Loads no decoder block."""
 
 from __future__ import annotations
 
+import logging
+import statistics
+import time
+from collections.abc import Callable
 from functools import cached_property
 from pathlib import Path
 
@@ -20,7 +24,15 @@ from blocks.checkpoint import (
 )
 from blocks.errors import ModelNotFoundError
 from blocks.families import Family, family_of, prepare_config
-from blocks.skinny import columns_product
+from blocks.skinny import CLEARLY_FASTER, columns_product
+
+log = logging.getLogger(__name__)
+
+# Row counts of LM-head passes whose form load_client_side times (a decode step of 1-8 sequences),
+# each in HEAD_TUNE_REPS pairs of passes after HEAD_TUNE_WARM (~0.4 s for the default model).
+HEAD_ROWS = (1, 2, 4, 8)
+HEAD_TUNE_REPS = 5
+HEAD_TUNE_WARM = 2
 
 
 class ClientSide(nn.Module):
@@ -43,6 +55,10 @@ class ClientSide(nn.Module):
         self.lm_head = lm_head
         self.checkpoint = checkpoint
         self.model = model_name(checkpoint)
+        # Row counts (of HEAD_ROWS) whose CPU LM head runs as nn.Linear does rather than in the
+        # columns form (_cpu_lm_head): tune_lm_head's choice; a count between two takes the
+        # choice of the one below, and more than the last the columns form.
+        self.linear_rows: frozenset[int] = frozenset()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [batch, tokens] -> the hidden states block 0 takes."""
@@ -53,9 +69,52 @@ class ClientSide(nn.Module):
         """Hidden states after the last block -> vocabulary logits (final norm, then LM head)."""
         weight = self.lm_head.weight
         normed = self.final_norm(hidden_states.to(weight.device, weight.dtype))
-        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or self._linear_for(normed):
             return self.lm_head(normed)
         return self.lm_head.cap(_cpu_lm_head(normed, weight, self.lm_head.bias))
+
+    def _linear_for(self, hidden: torch.Tensor) -> bool:
+        rows = hidden.numel() // hidden.shape[-1]
+        tuned = [r for r in HEAD_ROWS if r <= rows]
+        return rows <= HEAD_ROWS[-1] and bool(tuned) and tuned[-1] in self.linear_rows
+
+    def tune_lm_head(self, timer: Callable[[], float] = time.thread_time) -> frozenset[int]:
+        """Time the CPU LM head on HEAD_ROWS rows in both forms, pass by pass in turn (the
+        calling thread's CPU time, as blocks.skinny.tune), and keep nn.Linear's where it is
+        clearly faster. Which one wins depends on the CPU's BLAS: one machine ran one row of the
+        default model's head in 5.8 ms in the columns form against 11.5 with nn.Linear, another
+        in 11.5 against 4.8 (two threads); for 8 rows the columns form won on both."""
+        weight = self.lm_head.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return frozenset()
+
+        def timed(hidden: torch.Tensor, linear: bool) -> float:
+            started = timer()
+            if linear:
+                self.lm_head(hidden)
+            else:
+                _cpu_lm_head(hidden, weight, self.lm_head.bias)
+            return timer() - started
+
+        best: dict[int, float] = {}
+        with torch.inference_mode():
+            for rows in HEAD_ROWS:
+                hidden = torch.randn(rows, weight.shape[1])
+                for _ in range(HEAD_TUNE_WARM):
+                    timed(hidden, True)
+                    timed(hidden, False)
+                ratios = [
+                    timed(hidden, True) / max(timed(hidden, False), 1e-9)
+                    for _ in range(HEAD_TUNE_REPS)
+                ]
+                best[rows] = statistics.median(ratios)
+        self.linear_rows = frozenset(r for r, ratio in best.items() if ratio <= CLEARLY_FASTER)
+        log.info(
+            "LM head passes of %s rows as nn.Linear (its time over the columns form's: %s)",
+            ",".join(map(str, sorted(self.linear_rows))) or "no",
+            ", ".join(f"{rows}: {ratio:.2f}" for rows, ratio in best.items()),
+        )
+        return self.linear_rows
 
     @cached_property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -156,6 +215,7 @@ def load_client_side(
     client = ClientSide(config, family, embeddings, embed_norm, final_norm, lm_head, path)
     client.eval()
     client.requires_grad_(False)
+    client.tune_lm_head()
     return client
 
 

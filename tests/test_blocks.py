@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -578,3 +579,36 @@ def test_block_bytes_count_every_expert_of_a_mixtral_block(tiny: dict[str, Path]
     one_expert = MixtralConfig(**{**config.to_dict(), "num_local_experts": 1})
     more = blocks.block_bytes(config, torch.float32) - blocks.block_bytes(one_expert, torch.float32)
     assert more == (config.num_local_experts - 1) * (3 * hidden * inter + hidden) * 4
+
+
+def test_the_lm_head_keeps_the_form_tuning_finds_faster_and_both_agree(
+    tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from blocks import client_side
+
+    client = blocks.load_client_side(tiny["llama"])
+    hidden = torch.randn(10, client.config.hidden_size)
+    columns = client.logits(hidden[:1]), client.logits(hidden[:3]), client.logits(hidden)
+    client.linear_rows = frozenset(client_side.HEAD_ROWS)
+    linear = client.logits(hidden[:1]), client.logits(hidden[:3]), client.logits(hidden)
+    for a, b in zip(columns, linear, strict=True):
+        assert_close_scaled(a, b)
+    # A clock that each form advances by its own cost: nn.Linear's 1, the columns form's 3.
+    clock, cost = [0.0], [3.0]
+    slow = client_side._cpu_lm_head
+
+    def columns_form(*args: Any) -> torch.Tensor:
+        clock[0] += cost[0]
+        return slow(*args)
+
+    monkeypatch.setattr(client_side, "_cpu_lm_head", columns_form)
+    hook = client.lm_head.register_forward_pre_hook(lambda *_: clock.__setitem__(0, clock[0] + 1))
+    try:
+        assert client.tune_lm_head(timer=lambda: clock[0]) == frozenset(client_side.HEAD_ROWS)
+        assert client._linear_for(hidden[:3]) and not client._linear_for(hidden)
+        # Equal costs: the columns form stays (nn.Linear must be clearly faster).
+        cost[0] = 1
+        assert client.tune_lm_head(timer=lambda: clock[0]) == frozenset()
+        assert not client._linear_for(hidden[:1])
+    finally:
+        hook.remove()
