@@ -90,10 +90,8 @@ async def run(fn: Callable[..., T], *args: object) -> T:
     return await COMPUTE_THREAD.run(fn, *args)
 
 
-def quiet_event_loop_thread() -> int:
+def quiet_event_loop_thread() -> None:
     """Keep torch on the calling thread (the event loop's) to one thread: the small tensor work
     it does itself (decoding frames, copying a step's rows) then never starts an OpenMP team of
-    its own beside the compute thread's. Returns the count torch had, for the compute thread."""
-    before = torch.get_num_threads()
+    its own beside the compute thread's."""
     torch.set_num_threads(1)
-    return before
