@@ -4,6 +4,7 @@ pseudo-terminal, and malformed input on the socket, against a live swarm of thre
 from __future__ import annotations
 
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -120,6 +121,9 @@ def test_chat_in_a_terminal_reuses_the_session(swarm: LocalSwarm, tokenizer: Any
         # A guard against a hang, not a speed check: a loaded 2-core machine runs the chat at a
         # few tokens/s, and an answer may use most of its 300 tokens.
         timeout=300,
+        # A terminal's foreground job takes Ctrl-C; a test run started in the background by a
+        # non-interactive shell inherits SIGINT ignored, and Python then never raises on it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     chat.logfile_read = sys.stdout  # what the terminal showed, in the report of a failure
     try:
