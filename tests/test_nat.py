@@ -79,8 +79,17 @@ def _wait_for_server(client: DaemonProcess, server: DaemonProcess, timeout: floa
             if any(info.peer_id == server.peer_id for info in status.swarm):
                 return status
             if time.monotonic() > deadline:
-                raise AssertionError(f"{client.name} never saw the server: {status}")
+                raise AssertionError(
+                    f"{client.name} never saw the server: {status}\n"
+                    + "".join(_log_tail(d) for d in (client, server))
+                )
             time.sleep(1)
+
+
+def _log_tail(daemon: DaemonProcess, lines: int = 40) -> str:
+    """The end of a daemon's log, for the report of a failure (the logs go with the swarm)."""
+    tail = daemon.log_path.read_text(errors="replace").splitlines()[-lines:]
+    return f"--- {daemon.name}'s log, last {len(tail)} lines ---\n" + "\n".join(tail) + "\n"
 
 
 def _link(client: DaemonProcess, server: DaemonProcess) -> str:
