@@ -4,10 +4,9 @@ Loads no decoder block."""
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from blocks.checkpoint import (
 )
 from blocks.errors import ModelNotFoundError
 from blocks.families import Family, family_of, prepare_config
-from blocks.skinny import CLEARLY_FASTER, columns_product
+from blocks.skinny import CLEARLY_FASTER, columns_product, time_ratio
 
 log = logging.getLogger(__name__)
 
@@ -88,26 +87,17 @@ class ClientSide(nn.Module):
         if weight.device.type != "cpu" or weight.dtype != torch.float32:
             return frozenset()
 
-        def timed(hidden: torch.Tensor, linear: bool) -> float:
-            started = timer()
-            if linear:
-                self.lm_head(hidden)
-            else:
-                _cpu_lm_head(hidden, weight, self.lm_head.bias)
-            return timer() - started
-
         best: dict[int, float] = {}
         with torch.inference_mode():
             for rows in HEAD_ROWS:
                 hidden = torch.randn(rows, weight.shape[1])
-                for _ in range(HEAD_TUNE_WARM):
-                    timed(hidden, True)
-                    timed(hidden, False)
-                ratios = [
-                    timed(hidden, True) / max(timed(hidden, False), 1e-9)
-                    for _ in range(HEAD_TUNE_REPS)
-                ]
-                best[rows] = statistics.median(ratios)
+                best[rows] = time_ratio(
+                    partial(self.lm_head, hidden),
+                    partial(_cpu_lm_head, hidden, weight, self.lm_head.bias),
+                    timer,
+                    warm=HEAD_TUNE_WARM,
+                    reps=HEAD_TUNE_REPS,
+                )
         self.linear_rows = frozenset(r for r, ratio in best.items() if ratio <= CLEARLY_FASTER)
         log.info(
             "LM head passes of %s rows as nn.Linear (its time over the columns form's: %s)",

@@ -83,6 +83,29 @@ def set_rows(linears: list[SkinnyLinear], rows: frozenset[int]) -> None:
         linear.skinny_rows = rows
 
 
+def time_ratio(
+    first: Callable[[], object],
+    second: Callable[[], object],
+    timer: Callable[[], float] = time.thread_time,
+    warm: int = TUNE_WARM,
+    reps: int = TUNE_REPS,
+) -> float:
+    """The median over `reps` of first()'s time over second()'s, each pass of `first` timed
+    right before one of `second` (a neighbour's burst of work falls on both alike), after `warm`
+    untimed passes of each (first passes run slow: page faults). `timer`: the calling thread's
+    CPU time by default (see tune)."""
+
+    def timed(fn: Callable[[], object]) -> float:
+        started = timer()
+        fn()
+        return timer() - started
+
+    for _ in range(warm):
+        first()
+        second()
+    return statistics.median(timed(first) / max(timed(second), 1e-9) for _ in range(reps))
+
+
 def tune(
     forward: Callable[[torch.Tensor], object],
     hidden_size: int,
@@ -99,27 +122,20 @@ def tune(
     if not linears:
         return frozenset()
 
-    def timed(x: torch.Tensor, rows: frozenset[int]) -> float:
-        set_rows(linears, rows)
-        started = timer()
-        forward(x)
-        return timer() - started
+    def run(x: torch.Tensor, rows: frozenset[int]) -> Callable[[], object]:
+        def one_pass() -> object:
+            set_rows(linears, rows)
+            return forward(x)
+
+        return one_pass
 
     best: dict[int, float] = {}
     with torch.inference_mode():
         for _ in range(TUNE_ROUNDS):
             for rows in ROWS:
                 x = torch.randn(rows, 1, hidden_size)
-                for _ in range(TUNE_WARM):  # first passes run slow (page faults): both alike
-                    timed(x, frozenset({rows}))
-                    timed(x, frozenset())
-                # The two forms in turn, each skinny pass against the plain one right after
-                # it: a neighbour's burst of work falls on both alike.
-                ratios = [
-                    timed(x, frozenset({rows})) / max(timed(x, frozenset()), 1e-9)
-                    for _ in range(TUNE_REPS)
-                ]
-                best[rows] = min(best.get(rows, float("inf")), statistics.median(ratios))
+                ratio = time_ratio(run(x, frozenset({rows})), run(x, frozenset()), timer)
+                best[rows] = min(best.get(rows, float("inf")), ratio)
     chosen = frozenset(rows for rows, ratio in best.items() if ratio <= CLEARLY_FASTER)
     set_rows(linears, chosen)
     log.info(
