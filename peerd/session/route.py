@@ -51,6 +51,14 @@ class AdapterUnavailable(InferenceFailed):
     """No server in the swarm offers the LoRA adapter a session asked for."""
 
 
+class _OpenFailed(Exception):
+    """Opening a route failed at hop `index` with a peer's fault, `error`."""
+
+    def __init__(self, index: int, error: Exception) -> None:
+        super().__init__(index, error)
+        self.index, self.error = index, error
+
+
 class RouteKeeper:
     """The open hops of one session's route, the inputs each block boundary took, and the
     servers' failures so far."""
@@ -283,29 +291,56 @@ class RouteKeeper:
             route = await self._plan(start, end, refused, deadline)
             if route is None:
                 continue
-            opened: list[Hop] = []
             try:
-                for hop in route:
-                    previous = opened[-1].peer_id if opened else upstream
-                    previous = previous if self.pushing else None
-                    opened.append(await self.open_hop(hop, previous))
-                return opened
-            except PEER_FAULTS as e:
-                bad = route[len(opened)].peer_id
+                return await self._open_route(route, upstream)
+            except _OpenFailed as failed:
+                e = failed.error
+                bad = route[failed.index].peer_id
                 log.warning("could not open a session on %s: %s", bad, e)
                 if isinstance(e, HopRefused):
                     refused.add(bad)
                 else:
                     self.swarm.report_failure(bad)
                     self.failures += 1
-                with trio.CancelScope(shield=True):
-                    for hop_session in opened:
-                        await hop_session.close()
                 self._check_retries(e)
                 if trio.current_time() > deadline:
                     raise InferenceFailed(
                         f"could not open a route over blocks {start}:{end}: {e}"
                     ) from e
+
+    async def _open_route(self, route: Route, upstream: str | None) -> list[Hop]:
+        """A session on every hop of `route`, all opened at once (no hop's opening needs
+        another's: each names the server before it, known from the route, as its upstream),
+        so a route opens in one round trip. If any fails, those that opened are closed: an
+        error that is no peer's fault (a bug of ours) is raised as itself, else _OpenFailed
+        names the first hop that failed."""
+        opened: list[Hop | None] = [None] * len(route)
+        faults: dict[int, Exception] = {}
+
+        async def open_one(i: int) -> None:
+            previous = route[i - 1].peer_id if i > 0 else upstream
+            try:
+                opened[i] = await self.open_hop(route[i], previous if self.pushing else None)
+            except Exception as e:  # each hop's own: the others finish opening, then close
+                faults[i] = e
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(route)):
+                    nursery.start_soon(open_one, i)
+        finally:
+            if faults or any(hop is None for hop in opened):  # a fault, or cancelled, or a bug
+                with trio.CancelScope(shield=True):
+                    for hop_session in opened:
+                        if hop_session is not None:
+                            await hop_session.close()
+        bugs = [faults[i] for i in sorted(faults) if not isinstance(faults[i], PEER_FAULTS)]
+        if bugs:
+            raise bugs[0]
+        if faults:
+            first = min(faults)
+            raise _OpenFailed(first, faults[first])
+        return [hop for hop in opened if hop is not None]
 
     async def _plan(self, start: int, end: int, refused: set[str], deadline: float) -> Route | None:
         """The cheapest route now, or None after waiting a little for the swarm to change
