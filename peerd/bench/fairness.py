@@ -34,6 +34,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 import blocks
 import wire
 from peerd.devtools.localswarm import DaemonProcess, LocalSwarm, scrape_metrics
+from peerd.node import compute_thread
 from peerd.node.p2p import open_node, parse_peer_maddr
 from peerd.sdk.async_client import AsyncClient
 from peerd.session.generation import Generator
@@ -181,9 +182,8 @@ async def _loaded(
     swarm: LocalSwarm, contributor: DaemonProcess, ports: list[int], args: dict
 ) -> tuple[list[float], list[float], dict[str, float]]:
     """(contributor's gaps, takers' gaps, work by class) while the takers saturate the swarm."""
-    client = await trio.to_thread.run_sync(
-        blocks.load_client_side, blocks.resolve_checkpoint("default")
-    )
+    # On the compute thread, as open_leech: one OpenMP team in the process (compute_thread).
+    client = await compute_thread.run(blocks.load_client_side, blocks.resolve_checkpoint("default"))
     ids = client.tokenizer(TAKER_PROMPT, return_tensors="pt")["input_ids"]
     taker_gaps: list[tuple[float, float]] = []
     async with _taker_views(swarm, client, args["takers"]) as views, trio.open_nursery() as nursery:

@@ -11,6 +11,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 import blocks
+from peerd.node import compute_thread
 from peerd.node.p2p import Node, open_node, parse_peer_maddr
 from peerd.session.generation import Generator
 from peerd.session.swarm import SwarmView
@@ -49,7 +50,10 @@ async def open_leech(
     `verify_fraction`: spot-check that fraction of steps on a second server
     (peerd.session.verify)."""
     checkpoint = blocks.resolve_checkpoint(model)
-    client = await trio.to_thread.run_sync(blocks.load_client_side, checkpoint)
+    # On the compute thread, where its passes will run: loading it (its LM head's tuning) on
+    # another thread would give that thread an OpenMP team of its own beside the compute
+    # thread's, and the process's passes would run slower while it lived (compute_thread).
+    client = await compute_thread.run(blocks.load_client_side, checkpoint)
     num_blocks = int(client.config.num_hidden_layers)
     async with open_node(create_new_key_pair(), [listen], dht_server=True) as node:
         for text in initial_peers:
