@@ -127,7 +127,10 @@ class MemNode:
         self.peer_id = peer_id
         self.relayed = False
 
-    async def open_stream(self, peer_id: ID, protocol: str) -> MemoryByteStream:
+    async def open_stream(
+        self, peer_id: ID, protocol: str, *, optimistic: bool = False
+    ) -> MemoryByteStream:
+        """(Protocols are not negotiated here: an optimistic stream is like any other.)"""
         await trio.lowlevel.checkpoint()
         return self.net.connect(self, peer_id.to_string(), protocol)
 

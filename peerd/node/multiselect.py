@@ -11,6 +11,14 @@ its first byte, so an `info` call to a new peer cost 9.7 round trips and one to 
 listener's header and answer, as go-libp2p and rust-libp2p dialers do. A listener reads the two
 messages one after the other whether they came in one packet or two, so nothing changes for it.
 When the first proposal is refused (`na`) the rest are proposed one at a time, as before.
+
+`OptimisticStream` goes one step further for a stream whose one protocol we expect the peer to
+speak (a request to a server we found in its records): the header and the proposal go out with
+the stream's first message, and the listener's answer is read before the first reply, so a new
+stream costs no round trip of its own (rust-libp2p's `V1Lazy`). The listener again reads the same
+bytes. A peer that does not speak the protocol answers `na` and the first read raises
+ProtocolRefused; what we sent after the proposal is lost with the stream, so only a request that
+can fail that way may use it (never `Node.tell`, which counts who accepted).
 """
 
 from __future__ import annotations
@@ -19,9 +27,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import trio
-from libp2p.abc import IHost, IMultiselectCommunicator
+from libp2p.abc import IHost, IMultiselectCommunicator, INetStream
 from libp2p.custom_types import TProtocol
 from libp2p.io.exceptions import IOException
+from libp2p.network.stream.exceptions import StreamError
 from libp2p.protocol_muxer.exceptions import (
     MultiselectClientError,
     MultiselectCommunicatorError,
@@ -34,6 +43,7 @@ from libp2p.protocol_muxer.multiselect_client import (
     MultiselectClient,
     is_valid_handshake,
 )
+from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
 from libp2p.utils import encode_delim
 
 
@@ -92,3 +102,69 @@ def pipeline_negotiation(host: IHost) -> None:
         selector = getattr(getattr(upgrader, name, None), "_selector", None)
         if selector is not None:
             selector.multiselect_client = client
+
+
+class ProtocolRefused(StreamError):
+    """The peer answered an optimistic proposal with anything but the protocol (a stream error:
+    a reader of the stream sees a peer that ended it)."""
+
+
+class OptimisticStream:
+    """A libp2p stream whose protocol (`protocol`) is proposed with its first write and
+    confirmed by its first read. Everything else is the stream's own (`muxed_conn`,
+    `reset`, ...)."""
+
+    def __init__(self, stream: INetStream, protocol: TProtocol) -> None:
+        self.stream = stream
+        self.protocol = protocol
+        stream.set_protocol(protocol)
+        self._preamble: bytes | None = encode_delim(MULTISELECT_PROTOCOL_ID.encode()) + (
+            encode_delim(protocol.encode())
+        )
+        self._write_lock = trio.Lock()
+        self._read_lock = trio.Lock()
+        self._confirmed = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+    async def write(self, data: bytes) -> None:
+        if self._preamble is not None:
+            async with self._write_lock:
+                preamble, self._preamble = self._preamble, None
+                if preamble is not None:  # (not sent by a read meanwhile)
+                    await self.stream.write(preamble + bytes(data))
+                    return
+        await self.stream.write(data)
+
+    async def read(self, n: int | None = None) -> bytes:
+        if not self._confirmed:
+            async with self._read_lock:
+                if not self._confirmed:
+                    await self._confirm()
+        return await self.stream.read(n)
+
+    async def _confirm(self) -> None:
+        """Read the listener's header and its answer to our proposal (sending the proposal
+        alone if nothing was written yet)."""
+        if self._preamble is not None:
+            await self.write(b"")
+        communicator = MultiselectCommunicator(self.stream)
+        try:
+            header = await communicator.read()
+            answer = await communicator.read()
+        except (IOException, MultiselectCommunicatorError, ValueError) as e:
+            raise ProtocolRefused(f"negotiating {self.protocol} failed: {e}") from e
+        if not is_valid_handshake(header) or answer != self.protocol:
+            with trio.CancelScope(shield=True), trio.move_on_after(1):
+                await self.stream.reset()
+            raise ProtocolRefused(
+                f"the peer does not speak {self.protocol} (it answered {answer!r})"
+            )
+        self._confirmed = True
+
+    async def close(self) -> None:
+        await self.stream.close()
+
+    async def reset(self) -> None:
+        await self.stream.reset()

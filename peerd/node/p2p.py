@@ -39,6 +39,7 @@ from peerd.node.host import (
     parse_peer_maddr,
     set_provider_record_ttl,
 )
+from peerd.node.multiselect import OptimisticStream
 from peerd.node.nat import (
     AUTONAT_TIMEOUT_S,
     DHT_CLIENT_WHEN_PRIVATE,
@@ -175,12 +176,22 @@ class Node:
         when it holds any record for the key (notes/libp2p.md, pitfall 5)."""
         self.dht.provider_store.providers.pop(bytes.fromhex(key), None)
 
-    async def open_stream(self, peer_id: ID, protocol: TProtocol) -> Any:
+    async def open_stream(
+        self, peer_id: ID, protocol: TProtocol, *, optimistic: bool = False
+    ) -> Any:
         """A new stream to a peer, dialling it first if we hold no connection: through a relay
-        when it announced relayed addresses (it is behind NAT), else directly."""
-        conns = self.host.get_network().get_connections(peer_id)
+        when it announced relayed addresses (it is behind NAT), else directly.
+
+        `optimistic`: the protocol is proposed with the stream's first write, not in a round
+        trip before it returns (peerd.node.multiselect.OptimisticStream): for a request to a
+        peer that announced the protocol; a peer that turns out not to speak it ends the
+        stream at its first read."""
+        network = self.host.get_network()
+        conns = network.get_connections(peer_id)
         if not any(not getattr(c, "is_closed", False) for c in conns):
             await self.dial(peer_id)
+        if optimistic:
+            return OptimisticStream(await network.new_stream(peer_id), protocol)
         return await self.host.new_stream(peer_id, [protocol])
 
     async def dial(self, peer_id: ID) -> None:

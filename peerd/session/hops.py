@@ -94,7 +94,7 @@ async def dial(
     swarm.node.remember(peer, hop.record.addrs)
     try:
         with trio.fail_after(timeout):
-            raw = await swarm.node.open_stream(peer, protocol)
+            raw = await swarm.node.open_stream(peer, protocol, optimistic=True)
     except DIAL_FAULTS as e:
         raise PeerGone(f"cannot reach {hop.peer_id}: {e or type(e).__name__}") from e
     return MessageStream(raw, wire.DEFAULT_MAX_FRAME_SIZE)
