@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Iterator
+from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
 
@@ -370,3 +371,50 @@ async def test_four_generations_on_cpu_servers_step_in_two_micro_batches(
             assert tagged.count(0) >= 8 and tagged.count(1) >= 8, (name, groups)
         else:
             assert groups == [None] * 24, (name, groups)
+
+
+async def test_sessions_in_two_micro_batches_fail_over_and_match_the_whole_model(
+    tiny_llama: Path, whole: blocks.Span
+) -> None:
+    """Four sessions stepping at once in two micro-batch groups, as four generations on CPU
+    servers do: the server of blocks 3:6 that the first of them uses dies mid-way. Every session
+    that used it replaces it and replays its cache, the groups' steps keep their tags on the
+    survivor, and every session's outputs match the whole model's."""
+    names = ["head", "tail-1", "tail-2"]
+    inputs = [_steps(20 + k, (5, 1, 1, 1, 1, 1)) for k in range(4)]
+    outputs: list[list[torch.Tensor]] = [[] for _ in inputs]
+    async with open_memnet() as net:
+        _serve(net, tiny_llama, {"head": (0, 3), "tail-1": (3, 6), "tail-2": (3, 6)})
+        seen = _micro_batches_seen(net, names)
+        view = _view(net)
+        async with AsyncExitStack() as stack:
+            sessions = [
+                await stack.enter_async_context(InferenceSession(view, max_length=16))
+                for _ in inputs
+            ]
+            victim = _name_of(net, sessions[0].hops[1].peer_id, names)
+            users = [k for k, s in enumerate(sessions) if s.hops[1].peer_id == net.peer_id(victim)]
+
+            async def step(k: int, i: int) -> None:
+                sessions[k].micro_batch = k % 2
+                outputs[k].append(await sessions[k].step(inputs[k][i]))
+
+            for i in range(len(inputs[0])):
+                if i == 3:
+                    net.kill(victim)
+                with trio.fail_after(20):  # a step lost in a merged forward would hang
+                    async with trio.open_nursery() as nursery:
+                        for k in range(len(sessions)):
+                            nursery.start_soon(step, k, i)
+            assert [s.failures for s in sessions] == [int(k in users) for k in range(4)]
+            assert all(s.hops[1].peer_id != net.peer_id(victim) for s in sessions)
+    survivor = next(name for name in names[1:] if name != victim)
+    assert sorted(g for g in seen["head"] if g is not None) == [0] * 12 + [1] * 12
+    # The survivor: each moved session's replay (ungrouped), then its last 3 steps in its
+    # group; a session routed there from the start, all 6 of its steps.
+    moved = [k % 2 for k in users for _ in range(3)]
+    stayed = [k % 2 for k in range(4) if k not in users for _ in range(6)]
+    assert seen[survivor].count(None) == len(users)
+    assert sorted(g for g in seen[survivor] if g is not None) == sorted(moved + stayed)
+    for k, steps in enumerate(inputs):
+        assert_close_scaled(torch.cat(outputs[k], dim=1), _reference(whole, steps))
