@@ -418,3 +418,61 @@ async def test_sessions_in_two_micro_batches_fail_over_and_match_the_whole_model
     assert sorted(g for g in seen[survivor] if g is not None) == sorted(moved + stayed)
     for k, steps in enumerate(inputs):
         assert_close_scaled(torch.cat(outputs[k], dim=1), _reference(whole, steps))
+
+
+async def test_a_first_step_opens_the_route_and_an_early_push_waits_for_its_session(
+    tiny_llama: Path, whole: blocks.Span, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """open_with_first_step: the session's first step goes to the first hop with its
+    OpenSession, and that server pushes its output on while the next hop's session is still
+    opening (held back here): the next server holds the push until the session opens, then
+    runs it, and the outputs match the whole model's."""
+    steps = _steps(6, (5, 1, 1))
+    async with open_memnet() as net:
+        _serve(net, tiny_llama, {"head": (0, 3), "tail": (3, 6)})
+        sessions = net.server("tail").sessions
+        handle, claim = sessions.handle, sessions.pushes.claim
+        claimed: list[bool] = []
+
+        async def late_handle(messages: MessageStream) -> None:
+            await trio.sleep(0.3)  # the head's push gets there first
+            await handle(messages)
+
+        def counted_claim(session_id: str) -> tuple[wire.Step, str] | None:
+            early = claim(session_id)
+            claimed.append(early is not None)
+            return early
+
+        monkeypatch.setattr(sessions, "handle", late_handle)
+        monkeypatch.setattr(sessions.pushes, "claim", counted_claim)
+        async with InferenceSession(_view(net), max_length=16, open_with_first_step=True) as s:
+            assert s.hops == []
+            assert [hop.peer_id for hop in s.route] == [net.peer_id("head"), net.peer_id("tail")]
+            with trio.fail_after(10):  # a push dropped by the tail would wait 60 s
+                outputs = [await s.step(hidden) for hidden in steps]
+            assert [hop.peer_id for hop in s.hops] == [net.peer_id("head"), net.peer_id("tail")]
+            assert s.failures == 0
+    assert claimed == [True]
+    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
+
+
+async def test_a_first_step_whose_route_fails_to_open_goes_again_on_a_new_route(
+    tiny_llama: Path, whole: blocks.Span
+) -> None:
+    """The planned route's second server dies before the first step: the step the first hop
+    started on is dropped with its session, the dead server is banned, and the step runs on a
+    route around it."""
+    steps = _steps(7, (4, 1, 1))
+    names = ["head", "tail-1", "tail-2"]
+    async with open_memnet() as net:
+        _serve(net, tiny_llama, {"head": (0, 3), "tail-1": (3, 6), "tail-2": (3, 6)})
+        view = _view(net)
+        async with InferenceSession(view, max_length=16, open_with_first_step=True) as session:
+            victim = _name_of(net, session.route[1].peer_id, names)
+            net.kill(victim)
+            with trio.fail_after(10):
+                outputs = [await session.step(hidden) for hidden in steps]
+            assert session.failures == 1
+            assert view.bans.failures(net.peer_id(victim)) == 1
+            assert session.hops[1].peer_id != net.peer_id(victim)
+    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))

@@ -42,7 +42,9 @@ async def _session(leech: Leech, prompt: str, new_tokens: int) -> tuple[list[flo
     ids = leech.client.tokenizer(prompt, return_tensors="pt")["input_ids"]
     times: list[float] = []
     tokens: list[int] = []
-    async with InferenceSession(leech.swarm, max_length=ids.shape[1] + new_tokens) as session:
+    async with InferenceSession(
+        leech.swarm, max_length=ids.shape[1] + new_tokens, open_with_first_step=True
+    ) as session:
         async for token in leech.generator.generate(ids, new_tokens, session=session):
             times.append(time.perf_counter())
             tokens.append(int(token[0, 0]))

@@ -53,7 +53,9 @@ async def _timed(
     tally = Tally()
     tokens: list[int] = []
     first_at = 0.0
-    async with InferenceSession(leech.swarm, max_length=ids.shape[1] + new_tokens) as session:
+    async with InferenceSession(
+        leech.swarm, max_length=ids.shape[1] + new_tokens, open_with_first_step=True
+    ) as session:
         stream = leech.generator.generate(
             ids, new_tokens, session=session, speculate=speculate, tally=tally
         )

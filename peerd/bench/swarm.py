@@ -64,7 +64,7 @@ async def _swarm_run(
     started = time.perf_counter()
     first_at = 0.0
     async with InferenceSession(
-        leech.swarm, max_length=ids.shape[1] + new_tokens, push=push
+        leech.swarm, max_length=ids.shape[1] + new_tokens, push=push, open_with_first_step=True
     ) as session:
         async for token in leech.generator.generate(ids, new_tokens, session=session):
             tokens.append(int(token[0, 0]))

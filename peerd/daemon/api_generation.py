@@ -235,6 +235,7 @@ def _session_for(
             max_length=prompt_length + request.max_new_tokens,
             adapter=request.active_adapter,
             routing=request.routing,
+            open_with_first_step=True,
             **shape,
         )
     except ValueError as e:

@@ -40,7 +40,7 @@ from peerd.server.boundary import OPEN_TIMEOUT_S, stream_boundary
 from peerd.server.compute import ComputeQueue
 from peerd.server.local_session import LocalSession
 from peerd.server.priority import Priority
-from peerd.server.push import Pusher, PushReceiver
+from peerd.server.push import Pusher
 from peerd.server.sessions import InferenceHandler
 from peerd.server.standing import Standing
 from routing.records import ServerRecord, ServerState, record_to_info
@@ -161,7 +161,6 @@ class BlockServer:
         self._subspans: dict[tuple[int, int], Span] = {}
         self.node = node
         self.sessions = InferenceHandler(self, Pusher(node, self.limits.max_frame_size))
-        self._push_receiver = PushReceiver(self, self.sessions.live)
         self._corrupt_fraction = float(os.environ.get(TEST_CORRUPT_ENV) or 0.0)
         if self._corrupt_fraction:
             log.warning("%s is set: this server returns WRONG results", TEST_CORRUPT_ENV)
@@ -266,7 +265,7 @@ class BlockServer:
         messages = MessageStream(
             stream, self.limits.max_frame_size, remote_peer, check_tensor=self.check_tensor
         )
-        await self._push_receiver.handle(messages)
+        await self.sessions.pushes.handle(messages)
 
     async def handle_training(self, stream: ByteStream, remote_peer: str | None = None) -> None:
         """Forward and Backward requests, each answered in turn (peerd.server.training)."""

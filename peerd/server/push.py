@@ -12,7 +12,9 @@ upstream floods it, which ends that session).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -28,6 +30,15 @@ log = logging.getLogger(__name__)
 
 # A push that does not go through in this long is abandoned: the client relays instead.
 PUSH_TIMEOUT_S = 5.0
+# A step pushed into a session not open here yet waits for it: a client sends its first step
+# with the first hop's OpenSession while the other hops' sessions open, so the first server's
+# push can come before the client's OpenSession does. It waits EARLY_PUSH_WAIT_S, and, once its
+# session's OpenSession came, for as long as that waits for cache. At most EARLY_PUSHES steps
+# of EARLY_PUSH_BYTES of hidden states in all wait (one per session), the oldest dropped first:
+# a peer pushing into sessions that never open holds that much for that long, no more.
+EARLY_PUSH_WAIT_S = 10.0
+EARLY_PUSHES = 16
+EARLY_PUSH_BYTES = 64 << 20
 
 
 class TakesPushes(Protocol):
@@ -36,13 +47,26 @@ class TakesPushes(Protocol):
     def take_pushed(self, step: wire.Step, sender: str) -> None: ...
 
 
+@dataclass
+class _Early:
+    """A pushed step waiting for its session to open here."""
+
+    step: wire.Step
+    sender: str
+    deadline: float
+    size: int
+
+
 class PushReceiver:
     """The push streams into one server: each pushed step is handed to its session's task, so
-    one session's step never holds up another's."""
+    one session's step never holds up another's; one that comes before its session opened
+    waits for it (EARLY_PUSH_WAIT_S)."""
 
     def __init__(self, server: CountsErrors, live: Mapping[str, TakesPushes]) -> None:
         self.server = server
         self.live = live  # the open sessions by id (InferenceHandler.live)
+        self._early: dict[str, _Early] = {}  # by session id, oldest first
+        self._opening: set[str] = set()  # sessions whose OpenSession came, not yet open
 
     async def handle(self, messages: MessageStream) -> None:
         async with stream_boundary(self.server, messages, "push", answer_protocol_errors=False):
@@ -50,9 +74,45 @@ class PushReceiver:
                 step = await messages.receive_as(wire.Step, SESSION_IDLE_TIMEOUT_S)
                 live = self.live.get(step.session_id)
                 if live is None:
-                    log.info("pushed step for unknown session %s", step.session_id[:12])
+                    self._hold(step, messages.remote_peer)
                     continue
                 live.take_pushed(step, messages.remote_peer)
+
+    def _hold(self, step: wire.Step, sender: str) -> None:
+        now = trio.current_time()
+        for session_id, early in list(self._early.items()):
+            if early.deadline < now and session_id not in self._opening:
+                del self._early[session_id]
+        size = step.hidden_states.numel() * step.hidden_states.element_size()
+        if step.session_id in self._early or size > EARLY_PUSH_BYTES:
+            log.info("pushed step for unknown session %s dropped", step.session_id[:12])
+            return
+        while self._early and (
+            len(self._early) >= EARLY_PUSHES
+            or sum(e.size for e in self._early.values()) + size > EARLY_PUSH_BYTES
+        ):
+            dropped = next(iter(self._early))
+            del self._early[dropped]
+            log.info("early pushed step for session %s dropped for room", dropped[:12])
+        self._early[step.session_id] = _Early(step, sender, now + EARLY_PUSH_WAIT_S, size)
+
+    @contextmanager
+    def opening(self, session_id: str) -> Iterator[None]:
+        """While a session's OpenSession waits to be served: a step pushed into it meanwhile
+        waits too; whatever still waits when it ends (refused, or the step was never claimed)
+        is dropped."""
+        self._opening.add(session_id)
+        try:
+            yield
+        finally:
+            self._opening.discard(session_id)
+            self._early.pop(session_id, None)
+
+    def claim(self, session_id: str) -> tuple[wire.Step, str] | None:
+        """The step pushed into `session_id` before it opened, and who pushed it (the
+        session checks both as it takes it)."""
+        early = self._early.pop(session_id, None)
+        return None if early is None else (early.step, early.sender)
 
 
 class Pusher:

@@ -21,11 +21,12 @@ from blocks import SpanSession
 from peerd.node.streams import Idle, MessageStream, PeerGone
 from peerd.server.admission import AdapterMissing, Lease, Refused
 from peerd.server.boundary import OPEN_TIMEOUT_S, SESSION_IDLE_TIMEOUT_S, stream_boundary
-from peerd.server.push import Pusher
+from peerd.server.push import Pusher, PushReceiver
 from wire.conversation import (
     MAX_PUSHED_QUEUED,
     CloseRequested,
     OpenRequested,
+    PushRefused,
     ServerInference,
     StepRequested,
     TooManyPushed,
@@ -102,6 +103,7 @@ class InferenceHandler:
         self.pusher = pusher
         self.live: dict[str, LiveSession] = {}  # session id -> session, for pushed steps
         self.scopes: set[trio.CancelScope] = set()  # of the open sessions
+        self.pushes = PushReceiver(server, self.live)  # the push streams into those sessions
 
     async def handle(self, messages: MessageStream) -> None:
         conv = ServerInference()
@@ -109,7 +111,8 @@ class InferenceHandler:
             event = conv.receive(await messages.receive(OPEN_TIMEOUT_S, expect=wire.OpenSession))
             assert isinstance(event, OpenRequested)
             try:
-                await self._admit(conv, event.request, messages)
+                with self.pushes.opening(event.request.session_id):
+                    await self._admit(conv, event.request, messages)
             except Refused as e:
                 self.server.counters.sessions_refused += 1
                 await self.server.refuse(messages, e.code, str(e))
@@ -158,13 +161,26 @@ class InferenceHandler:
                 self.scopes.add(live.scope)
                 self.live[session_id] = live
                 standing = self.server.standing.of(live.messages.remote_peer)
-                await live.messages.send(live.conv.opened(live.request.max_length, standing))
+                opened = live.conv.opened(live.request.max_length, standing)
+                self._take_early_push(live)  # (no await since the session went live)
+                await live.messages.send(opened)
                 await self._run_both_lanes(live)
             if live.failure is not None:  # a pushed step broke the session, or its lease lapsed
                 raise live.failure
         finally:
             self.live.pop(session_id, None)
             self.scopes.discard(live.scope)
+
+    def _take_early_push(self, live: LiveSession) -> None:
+        """Queue the step pushed into the session before it opened, if one came from the peer
+        the session takes pushes from, with its push token."""
+        early = self.pushes.claim(live.request.session_id)
+        if early is None:
+            return
+        try:
+            live.take_pushed(*early)
+        except PushRefused as e:
+            log.info("dropped a step pushed before its session opened: %s", e)
 
     async def _run_both_lanes(self, live: LiveSession) -> None:
         """The client's own steps and the pushed ones, until the client closes; an error of

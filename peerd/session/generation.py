@@ -182,6 +182,7 @@ class Generator:
                         batch_size=input_ids.shape[0],
                         adapter=adapter,
                         left_padding=left_padding,
+                        open_with_first_step=True,
                     )
                 )
             if speculate is not None and speculate.on and input_ids.shape[0] == 1:
@@ -251,4 +252,4 @@ class Generator:
 
 def _on_cpus(session: InferenceSession) -> bool:
     """Every server of the session's route computes on a CPU (MICRO_BATCHES)."""
-    return all(hop.hop.record.device == "cpu" for hop in session.hops)
+    return all(hop.record.device == "cpu" for hop in session.route)

@@ -32,7 +32,7 @@ from blocks import BlocksError
 from peerd.node.p2p import INFERENCE_PROTOCOL
 from peerd.node.streams import MessageStream, PeerGone
 from peerd.session.local import LocalSteps
-from routing.planner import RouteHop
+from routing.planner import Route, RouteHop
 from wire.conversation import (
     ClientInference,
     LateReply,
@@ -208,14 +208,7 @@ class HopSession:
     def as_next_hop(self) -> wire.NextHop:
         """This hop as the target of a push: with its session's push token, so hand it only to
         the server named as this hop's upstream (in a push chain starting before it)."""
-        return wire.NextHop(
-            peer_id=self.peer_id,
-            addrs=tuple(self.hop.record.addrs),
-            session_id=self.session_id,
-            start=self.hop.start,
-            end=self.hop.end,
-            push_token=self.conversation.request.push_token,
-        )
+        return next_hop(self.hop, self.conversation.request)
 
     async def close(self) -> None:
         try:
@@ -270,18 +263,54 @@ class HopOptions:
     request_timeout: float = STEP_TIMEOUT_S
 
 
-async def open_hop(
-    swarm: SwarmView,
-    hop: RouteHop,
-    options: HopOptions,
-    step_ids: Iterator[int],
-    upstream: str | None = None,
-) -> Hop:
-    """Open a session on the hop's server, its steps numbered from `step_ids`, taking pushed
-    steps from `upstream` alone (the hop before it; None: no server may push into it) and only
-    with the session's push token, fresh from the OS's random source: HopRefused when the
-    server is alive but says no, PeerGone or ProtocolError when it fails."""
-    request = wire.OpenSession(
+@dataclass
+class FirstStep:
+    """A session's first step, sent to the route's first hop right behind its OpenSession and
+    pushed on while the other hops' sessions open (their servers hold a push that comes before
+    its session opened, peerd.server.push): it reaches the first server one round trip
+    sooner. `sent` once a route opened with it (RouteKeeper.open_hops)."""
+
+    hidden: torch.Tensor
+    step_id: int
+    micro_batch: int | None
+    sent: bool = False
+
+    def carried_by(self, route: Route, requests: list[wire.OpenSession]) -> wire.Step | None:
+        """The Step for the first of the sessions `requests` open on `route`'s hops, pushed
+        through the others; None for a route of one hop (nothing to open meanwhile)."""
+        if len(route) < 2:
+            return None
+        return wire.Step(
+            session_id=requests[0].session_id,
+            step_id=self.step_id,
+            hidden_states=self.hidden,
+            next_hops=tuple(
+                next_hop(hop, request) for hop, request in zip(route[1:], requests[1:], strict=True)
+            ),
+            micro_batch=self.micro_batch,
+        )
+
+
+def next_hop(hop: RouteHop, request: wire.OpenSession) -> wire.NextHop:
+    """The session `request` opens (or opened) on the hop's server as the target of a push:
+    with its push token, so hand it only to the server named as its upstream."""
+    return wire.NextHop(
+        peer_id=hop.peer_id,
+        addrs=tuple(hop.record.addrs),
+        session_id=request.session_id,
+        start=hop.start,
+        end=hop.end,
+        push_token=request.push_token,
+    )
+
+
+def session_request(
+    hop: RouteHop, options: HopOptions, upstream: str | None = None
+) -> wire.OpenSession:
+    """What opens a session on the hop's server, taking pushed steps from `upstream` alone (the
+    hop before it; None: no server may push into it) and only with the session's push token,
+    fresh from the OS's random source."""
+    return wire.OpenSession(
         session_id=uuid.uuid4().hex,
         model=options.model,
         start=hop.start,
@@ -296,6 +325,24 @@ async def open_hop(
         # With no upstream, nobody ever gets the token: nobody can push into the session.
         push_token=secrets.token_hex(16),
     )
+
+
+async def open_hop(
+    swarm: SwarmView,
+    hop: RouteHop,
+    options: HopOptions,
+    step_ids: Iterator[int],
+    upstream: str | None = None,
+    *,
+    request: wire.OpenSession | None = None,
+    first_step: wire.Step | None = None,
+) -> Hop:
+    """Open a session on the hop's server (`request`, or session_request's), its steps
+    numbered from `step_ids`: HopRefused when the server is alive but says no, PeerGone or
+    ProtocolError when it fails. `first_step` (to a remote server only) goes right behind the
+    OpenSession, without waiting for the answer: the session returned owes its reply."""
+    if request is None:
+        request = session_request(hop, options, upstream)
     local = swarm.local_server
     if local is not None and hop.peer_id == local.peer_id:
         try:
@@ -307,6 +354,8 @@ async def open_hop(
     conversation = ClientInference(request)
     try:
         await stream.send(request)
+        if first_step is not None:
+            await stream.send(first_step, options.codec)
         # The reply may take the connect time plus the time we offered to wait in its queue.
         wait = max(0.0, deadline - trio.current_time()) + ADMISSION_WAIT_S
         event = conversation.received(await stream.receive(wait))  # Opened or Refused
@@ -319,4 +368,8 @@ async def open_hop(
         raise HopRefused(f"{hop.peer_id} refused the session: {event.error.message}")
     if isinstance(event, Opened):  # the standing it grants us: `peerd status` shows it
         swarm.standing_seen[hop.peer_id] = (event.reply.standing, time.time())
-    return HopSession(hop, stream, conversation, step_ids, timeout=options.request_timeout)
+    session = HopSession(hop, stream, conversation, step_ids, timeout=options.request_timeout)
+    if first_step is not None:
+        hidden = first_step.hidden_states
+        conversation.sent_step(first_step.step_id, tuple(hidden.shape), hidden.dtype)
+    return session

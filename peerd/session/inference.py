@@ -80,10 +80,14 @@ class InferenceSession:
         routing: wire.RouteOptions | None = None,
         verify_fraction: float | None = None,
         left_padding: tuple[int, ...] = (),
+        open_with_first_step: bool = False,
     ) -> None:
         """`routing`: which servers the session may use, how many failed ones it may replace,
         and how long dialing a hop and each step may take (None: the defaults above).
-        `left_padding`: per row, padding positions at its start (a batch of prompts)."""
+        `left_padding`: per row, padding positions at its start (a batch of prompts).
+        `open_with_first_step`: entering only plans a route; the first step opens it, sent to
+        the first hop with its OpenSession while the other hops open (hops.FirstStep), one
+        round trip sooner; `hops` stays empty until then."""
         if left_padding:  # ValueError: one count per row, each leaving room for a token
             check_left_padding(left_padding, batch_size, max_length)
         self.swarm = swarm
@@ -95,6 +99,7 @@ class InferenceSession:
         # (after a rollback, or a step that was cancelled or failed mid-way).
         self._rewind_to: int | None = None
         self.left_padding = tuple(left_padding)
+        self.open_with_first_step = open_with_first_step
         options = HopOptions(
             model=swarm.model,
             max_length=max_length,
@@ -123,7 +128,7 @@ class InferenceSession:
             self.runner.hooks.append(hook)
 
     async def __aenter__(self) -> InferenceSession:
-        await self.route_keeper.open()
+        await self.route_keeper.open(defer=self.open_with_first_step)
         return self
 
     @property
@@ -156,6 +161,9 @@ class InferenceSession:
 
     @property
     def route(self) -> list[RouteHop]:
+        """The route's hops (planned, before the first step opens them)."""
+        if self.route_keeper.deferred:
+            return list(self.route_keeper.planned)
         return [h.hop for h in self.hops]
 
     def describe_route(self) -> str:

@@ -21,14 +21,17 @@ from collections.abc import Iterable
 import torch
 import trio
 
+import wire
 from peerd.session.hops import (
     PEER_FAULTS,
+    FirstStep,
     Hop,
     HopOptions,
     HopRefused,
     LeaseLapsed,
     Unattributed,
     open_hop,
+    session_request,
 )
 from peerd.session.swarm import SwarmView
 from routing.planner import NoRouteError, Route, RouteHop, plan_route
@@ -86,12 +89,28 @@ class RouteKeeper:
         self.pushing = True  # False once a pushed step went wrong: relay every step
         self.step_ids = itertools.count()  # one counter for every step of the session
         self._reported: Hop | None = None  # the hop being replaced (already counted as failed)
+        # Opening waits for the first step (open_with): the route planned meanwhile.
+        self.deferred = False
+        self.planned: Route = ()
 
-    async def open(self) -> None:
-        """Open a route over every block (after checking some server offers our adapter)."""
+    async def open(self, defer: bool = False) -> None:
+        """Open a route over every block (after checking some server offers our adapter);
+        `defer`: only wait until one can be planned, and open it with the first step
+        (open_with)."""
         if self.options.adapter is not None:
             await self._check_adapter_offered(self.options.adapter)
-        self.hops = await self.open_hops(0, self.swarm.num_blocks)
+        if not defer:
+            self.hops = await self.open_hops(0, self.swarm.num_blocks)
+            return
+        deadline, route = trio.current_time() + ROUTE_WAIT_S, None
+        while route is None:
+            route = await self._plan(0, self.swarm.num_blocks, set(), deadline)
+        self.planned, self.deferred = route, True
+
+    async def open_with(self, first: FirstStep | None) -> None:
+        """Open the deferred route, sending `first` with it where it can go (FirstStep)."""
+        self.hops = await self.open_hops(0, self.swarm.num_blocks, first=first)
+        self.deferred, self.planned = False, ()
 
     async def close(self) -> None:
         with trio.CancelScope(shield=True):
@@ -99,10 +118,25 @@ class RouteKeeper:
                 await hop.close()
         self.hops = []
 
-    async def open_hop(self, hop: RouteHop, upstream: str | None = None) -> Hop:
+    async def open_hop(
+        self,
+        hop: RouteHop,
+        upstream: str | None = None,
+        *,
+        request: wire.OpenSession | None = None,
+        first_step: wire.Step | None = None,
+    ) -> Hop:
         """A session on one server with this route's options, taking pushes from `upstream`
-        alone (the verifier opens its own, which nobody pushes into)."""
-        return await open_hop(self.swarm, hop, self.options, self.step_ids, upstream)
+        alone (the verifier opens its own, which nobody pushes into); see hops.open_hop."""
+        return await open_hop(
+            self.swarm,
+            hop,
+            self.options,
+            self.step_ids,
+            upstream,
+            request=request,
+            first_step=first_step,
+        )
 
     # --- the input history ------------------------------------------------------------------
 
@@ -277,10 +311,13 @@ class RouteKeeper:
 
     # --- opening hops -------------------------------------------------------------------------
 
-    async def open_hops(self, start: int, end: int, upstream: str | None = None) -> list[Hop]:
+    async def open_hops(
+        self, start: int, end: int, upstream: str | None = None, first: FirstStep | None = None
+    ) -> list[Hop]:
         """Plan [start, end) and open a session on each hop, re-planning around servers that
         refuse or fail to open, until a route opens or no server is left. Each hop takes pushes
-        only from the hop before it (the first: from `upstream`).
+        only from the hop before it (the first: from `upstream`). `first` goes with the first
+        try only, and only where every hop is remote and takes pushes (FirstStep.sent says).
 
         A server that fails (unreachable, broken stream) is banned for everyone; one that is
         alive but refuses (full cache, too many sessions from us) is only skipped by this
@@ -292,8 +329,9 @@ class RouteKeeper:
             if route is None:
                 continue
             try:
-                return await self._open_route(route, upstream)
+                return await self._open_route(route, upstream, first)
             except _OpenFailed as failed:
+                first = None  # the retry opens first, as any route does
                 e = failed.error
                 bad = route[failed.index].peer_id
                 log.warning("could not open a session on %s: %s", bad, e)
@@ -308,19 +346,31 @@ class RouteKeeper:
                         f"could not open a route over blocks {start}:{end}: {e}"
                     ) from e
 
-    async def _open_route(self, route: Route, upstream: str | None) -> list[Hop]:
+    async def _open_route(
+        self, route: Route, upstream: str | None, first: FirstStep | None = None
+    ) -> list[Hop]:
         """A session on every hop of `route`, all opened at once (no hop's opening needs
         another's: each names the server before it, known from the route, as its upstream),
-        so a route opens in one round trip. If any fails, those that opened are closed: an
-        error that is no peer's fault (a bug of ours) is raised as itself, else _OpenFailed
-        names the first hop that failed."""
+        so a route opens in one round trip; with `first`, the first hop's server starts on it
+        meanwhile. If any fails, those that opened are closed: an error that is no peer's
+        fault (a bug of ours) is raised as itself, else _OpenFailed names the first hop that
+        failed."""
         opened: list[Hop | None] = [None] * len(route)
         faults: dict[int, Exception] = {}
+        upstreams = [upstream, *(hop.peer_id for hop in route[:-1])]
+        requests = [
+            session_request(hop, self.options, up if self.pushing else None)
+            for hop, up in zip(route, upstreams, strict=True)
+        ]
+        local = self.swarm.local_server  # its hop is called in process: nothing carries a step
+        ours = local is not None and any(hop.peer_id == local.peer_id for hop in route)
+        step = first.carried_by(route, requests) if first and self.pushing and not ours else None
 
         async def open_one(i: int) -> None:
-            previous = route[i - 1].peer_id if i > 0 else upstream
             try:
-                opened[i] = await self.open_hop(route[i], previous if self.pushing else None)
+                opened[i] = await self.open_hop(
+                    route[i], request=requests[i], first_step=step if i == 0 else None
+                )
             except Exception as e:  # each hop's own: the others finish opening, then close
                 faults[i] = e
 
@@ -338,8 +388,10 @@ class RouteKeeper:
         if bugs:
             raise bugs[0]
         if faults:
-            first = min(faults)
-            raise _OpenFailed(first, faults[first])
+            failed = min(faults)
+            raise _OpenFailed(failed, faults[failed])
+        if first is not None and step is not None:
+            first.sent = True
         return [hop for hop in opened if hop is not None]
 
     async def _plan(self, start: int, end: int, refused: set[str], deadline: float) -> Route | None:

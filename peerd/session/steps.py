@@ -13,13 +13,20 @@ hop that fails on a step we sent it ourselves is.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
 import wire
 from peerd.node.streams import Idle
-from peerd.session.hops import PEER_FAULTS, HopSession, LeaseLapsed, StepRefused, Unattributed
+from peerd.session.hops import (
+    PEER_FAULTS,
+    FirstStep,
+    HopSession,
+    LeaseLapsed,
+    StepRefused,
+    Unattributed,
+)
 from peerd.session.route import RouteKeeper
 from routing.planner import RouteHop
 from wire.peer_protocol import CompressionName
@@ -47,10 +54,21 @@ class StepRunner:
         """Run [batch, tokens, hidden] starting at `first_position` through every hop; with
         `rewind`, every hop is told where the tokens start (rolling back what it holds past
         it)."""
-        hops = self.route.hops
         i = 0
-        remote = all(isinstance(hop, HopSession) for hop in hops)
         pushing = self.push and self.route.pushing
+        if self.route.deferred:  # the session's first step opens its route
+            first = None
+            if pushing and rewind is None:
+                first = FirstStep(hidden, next(self.route.step_ids), self.micro_batch)
+            await self.route.open_with(first)
+            if first is not None and first.sent:  # every hop is remote then
+                carried = [hop for hop in self.route.hops if isinstance(hop, HopSession)]
+                i, hidden = await self._collect(carried, first.step_id, hidden, None)
+                if i < len(self.route.hops):
+                    rewind = first_position  # (as below)
+                pushing = False  # done: relay from the break, if it broke
+        hops = self.route.hops
+        remote = all(isinstance(hop, HopSession) for hop in hops)
         if pushing and remote and len(hops) > 1:
             # A rewind rides the push: every server passes the start position on with its
             # output, so a rollback (speculative decoding's rejected drafts) costs no round trip.
@@ -101,9 +119,6 @@ class StepRunner:
         hops = hops[:reach]
         step_id = next(self.route.step_ids)
         chain = tuple(hop.as_next_hop() for hop in hops[1:])
-        for hop in hops[1:]:
-            # Their replies to the pushed step come on their streams, shaped as its input.
-            hop.expect(step_id, hidden)
         sent = time.perf_counter()
         try:
             await hops[0].send_step(
@@ -111,6 +126,17 @@ class StepRunner:
             )
         except PEER_FAULTS:
             return 0, hidden  # the relay loop retries hop 0 and replaces it if it is gone
+        return await self._collect(hops, step_id, hidden, sent)
+
+    async def _collect(
+        self, hops: Sequence[HopSession], step_id: int, hidden: torch.Tensor, sent: float | None
+    ) -> tuple[int, torch.Tensor]:
+        """Every hop's reply to step `step_id`, sent to the first of `hops` (at `sent`; None:
+        with its OpenSession, so not timed) and pushed through the rest: (first hop not done,
+        its input)."""
+        for hop in hops[1:]:
+            # Their replies to the pushed step come on their streams, shaped as its input.
+            hop.expect(step_id, hidden)
         for i, hop in enumerate(hops):
             try:
                 result = await hop.receive_result(step_id)
@@ -119,7 +145,7 @@ class StepRunner:
                 return i, hidden
             self.route.remember(hop.hop.start, hidden)
             self.route.swarm.report_success(hop.peer_id)
-            if i == 0:  # a later hop's input comes when the hop before it pushes: not timed
+            if i == 0 and sent is not None:  # a later hop's input comes by push: not timed
                 _record_step(self.route, hop.hop, hidden, sent)
             hidden = result.hidden_states.to(hidden.dtype)  # ours, whatever the server sent
             if result.push_failed and i + 1 < len(hops):
