@@ -1,5 +1,6 @@
 """Steps pushed into a session before it opened here (peerd.server.push.PushReceiver): held for
-it, within bounds a peer pushing into sessions that never open cannot stretch."""
+it, within bounds that a peer pushing into sessions that never open can neither stretch nor
+fill for the others."""
 
 from __future__ import annotations
 
@@ -62,11 +63,20 @@ async def test_early_pushes_are_bounded_oldest_dropped_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     receiver = PushReceiver(_Server(), {})
-    await _push(receiver, [_step(f"s{i}") for i in range(EARLY_PUSHES + 2)])
-    assert receiver.claim("s0") is None and receiver.claim("s1") is None
-    assert all(receiver.claim(f"s{i}") is not None for i in range(2, EARLY_PUSHES + 2))
-    # By bytes too: one step larger than the room is not held, and room is made by age.
-    monkeypatch.setattr(push, "EARLY_PUSH_BYTES", 100 * 4)
+    mine = EARLY_PUSHES // 4  # what one pushing peer may have held
+    await _push(receiver, [_step(f"x{i}") for i in range(mine + 2)], sender="flooder")
+    assert receiver.claim("x0") is None and receiver.claim("x1") is None  # its own go first
+    # Peers up to the limit in all: then the oldest of anyone's goes.
+    for peer in range(4):
+        await _push(receiver, [_step(f"p{peer}.{i}") for i in range(mine)], sender=f"p{peer}")
+    assert all(receiver.claim(f"p{p}.{i}") is not None for p in range(4) for i in range(mine))
+    assert all(receiver.claim(f"x{i}") is None for i in range(2, mine + 2))  # the oldest
+    # A flood from one peer never crowds out another's.
+    await _push(receiver, [_step("legit")], sender="server")
+    await _push(receiver, [_step(f"y{i}") for i in range(4 * EARLY_PUSHES)], sender="flooder")
+    assert receiver.claim("legit") is not None
+    # By bytes too: a step over a peer's share is not held; room is made by age.
+    monkeypatch.setattr(push, "EARLY_PUSH_BYTES", 4 * 100 * 4)  # a peer's share: 100 floats
     await _push(receiver, [_step("big", 101), _step("a", 60), _step("b", 60)])
     assert receiver.claim("big") is None and receiver.claim("a") is None
     assert receiver.claim("b") is not None

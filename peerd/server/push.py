@@ -34,8 +34,9 @@ PUSH_TIMEOUT_S = 5.0
 # with the first hop's OpenSession while the other hops' sessions open, so the first server's
 # push can come before the client's OpenSession does. It waits EARLY_PUSH_WAIT_S, and, once its
 # session's OpenSession came, for as long as that waits for cache. At most EARLY_PUSHES steps
-# of EARLY_PUSH_BYTES of hidden states in all wait (one per session), the oldest dropped first:
-# a peer pushing into sessions that never open holds that much for that long, no more.
+# of EARLY_PUSH_BYTES of hidden states in all wait (one per session), the oldest dropped first,
+# and at most a quarter of each from one pushing peer (its own oldest dropped first): a peer
+# pushing into sessions that never open holds that much for that long and crowds out no other.
 EARLY_PUSH_WAIT_S = 10.0
 EARLY_PUSHES = 16
 EARLY_PUSH_BYTES = 64 << 20
@@ -84,17 +85,21 @@ class PushReceiver:
             if early.deadline < now and session_id not in self._opening:
                 del self._early[session_id]
         size = step.hidden_states.numel() * step.hidden_states.element_size()
-        if step.session_id in self._early or size > EARLY_PUSH_BYTES:
+        if step.session_id in self._early or size > EARLY_PUSH_BYTES // 4:
             log.info("pushed step for unknown session %s dropped", step.session_id[:12])
             return
-        while self._early and (
-            len(self._early) >= EARLY_PUSHES
-            or sum(e.size for e in self._early.values()) + size > EARLY_PUSH_BYTES
-        ):
-            dropped = next(iter(self._early))
+        self._make_room(size, sender, EARLY_PUSHES // 4, EARLY_PUSH_BYTES // 4)
+        self._make_room(size, None, EARLY_PUSHES, EARLY_PUSH_BYTES)
+        self._early[step.session_id] = _Early(step, sender, now + EARLY_PUSH_WAIT_S, size)
+
+    def _make_room(self, size: int, sender: str | None, count: int, room: int) -> None:
+        """Drop the oldest held steps (`sender`'s, or anyone's) until one more of `size` bytes
+        keeps theirs within `count` steps and `room` bytes."""
+        held = [k for k, e in self._early.items() if sender is None or e.sender == sender]
+        while held and (len(held) >= count or sum(self._early[k].size for k in held) + size > room):
+            dropped = held.pop(0)
             del self._early[dropped]
             log.info("early pushed step for session %s dropped for room", dropped[:12])
-        self._early[step.session_id] = _Early(step, sender, now + EARLY_PUSH_WAIT_S, size)
 
     @contextmanager
     def opening(self, session_id: str) -> Iterator[None]:
