@@ -19,7 +19,7 @@ from libp2p.protocol_muxer.multiselect import Multiselect
 from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
 
 from peerd.node.multiselect import OptimisticStream, PipelinedMultiselectClient, ProtocolRefused
-from peerd.node.p2p import open_node
+from peerd.node.p2p import Node, open_node
 from peerd.node.streams import MessageStream, PeerGone
 
 ECHO = TProtocol("/peerd-test/echo/1")
@@ -82,14 +82,18 @@ async def test_no_protocol_in_common_is_an_error_that_names_them() -> None:
     assert str(OTHER) in str(outcome)
 
 
+async def _two_nodes(stack: AsyncExitStack) -> list[Node]:
+    return [
+        await stack.enter_async_context(
+            open_node(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], mdns=False)
+        )
+        for _ in range(2)
+    ]
+
+
 async def test_two_hosts_dial_and_open_streams_with_it() -> None:
     async with AsyncExitStack() as stack:
-        a, b = [
-            await stack.enter_async_context(
-                open_node(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], mdns=False)
-            )
-            for _ in range(2)
-        ]
+        a, b = await _two_nodes(stack)
         for selector in (
             a.host.multiselect_client,  # type: ignore[attr-defined]
             a.host.get_network().upgrader.security_multistream._selector.multiselect_client,  # type: ignore[attr-defined]
@@ -193,12 +197,7 @@ async def test_a_message_stream_reads_a_refused_optimistic_proposal_as_a_peer_go
 
 async def test_two_nodes_open_optimistic_streams() -> None:
     async with AsyncExitStack() as stack:
-        a, b = [
-            await stack.enter_async_context(
-                open_node(create_new_key_pair(), ["/ip4/127.0.0.1/tcp/0"], mdns=False)
-            )
-            for _ in range(2)
-        ]
+        a, b = await _two_nodes(stack)
 
         async def echo(stream) -> None:  # type: ignore[no-untyped-def]
             await stream.write(await stream.read(100))
