@@ -236,6 +236,65 @@ async def test_a_takers_prefill_rests_between_its_turns_only_while_a_contributor
     assert took >= max(0, rests - 1) * TAKER_REST * 0.05 - 1e-9
 
 
+@pytest.mark.skipif(not lanes_supported(), reason="no low-priority lane on this platform")
+async def test_a_lane_turn_that_ends_before_the_event_loop_looks_still_rests(
+    span: blocks.Span, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The race CI once lost: a takers' turn in the lane ends (its step back in the queue)
+    before the event loop has taken the turn's end, where its rest starts. The step must wait
+    for that, not start its next turn at once with the rest still unknown. Here every turn's
+    end reaches the event loop 0.01 s late, after the lane job is done and its round's caller
+    has gone on, so a step that did not wait ran its turns back to back."""
+    cache = MemoryCache(budget_tokens=10_000)
+    prompt = torch.randn(1, PRIORITY_TURN_TOKENS + 8, 32)
+    priority = _priority()
+    priority.account("someone", 1000)  # takers had their share lately
+    batcher = StepBatcher(
+        ComputeQueue(), priority=priority, timer=_Ticks(0.05), cpu_timer=_Ticks(0.05)
+    )
+    assert batcher.lane is not None and batcher.reservation is not None
+    lane_done = threading.Event()
+    real_submit, real_run = batcher.lane.submit, batcher.compute.run
+    real_turn_over = batcher._lane_turn_over
+
+    def submit(job: Callable[[], None]) -> None:
+        def done_after() -> None:
+            try:
+                job()
+            finally:
+                lane_done.set()
+
+        lane_done.clear()
+        real_submit(done_after)
+
+    resumed = [trio.Event()]  # set when the round's caller goes on after the lane's turn
+
+    async def run(*args: object, **kwargs: object) -> None:
+        lane_done.set()  # unless this round hands its turn to the lane
+        resumed[0] = trio.Event()
+        await real_run(*args, **kwargs)  # type: ignore[arg-type]
+        await trio.to_thread.run_sync(lane_done.wait)  # the lane's turn is over, in its thread
+        resumed[0].set()
+
+    async with trio.open_nursery() as nursery:
+
+        async def late(cpu_s: float) -> None:
+            await resumed[0].wait()
+            await trio.sleep(0.01)
+            real_turn_over(cpu_s)
+
+        batcher.lane.submit = submit  # type: ignore[method-assign]
+        batcher.compute.run = run  # type: ignore[method-assign,assignment]
+        batcher._lane_turn_over = lambda cpu_s: nursery.start_soon(late, cpu_s)  # type: ignore[method-assign]
+        with cache.open_session(1, 256) as session, cache.open_session(1, 8) as other:
+            await batcher.run(span, other, torch.randn(1, 1, 32), owner="C")
+            began = trio.current_time()
+            await batcher.run(span, session, prompt, owner="taker")
+            took = trio.current_time() - began
+    assert batcher.reservation.rests == 5
+    assert took >= 4 * TAKER_REST * 0.05 - 1e-9
+
+
 async def _spin_until(condition: Callable[[], bool]) -> None:
     """Yield until `condition` holds (on a clock that stands still: no sleeping)."""
     give_up = time.monotonic() + 60

@@ -26,7 +26,6 @@ kernel keeps it waiting whenever nice-0 threads want the cores.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 import time
@@ -118,8 +117,9 @@ class StepBatcher:
         self._changed = trio.Event()  # set when a step comes or a round is queued (_gather)
         self._recent: dict[int, Recent] = {}  # id(session) -> what we know of its steps
         # Takers' turns while contributors have the device reserved, on a CPU device (lane.py):
-        # busy from the hand-over to the end of the turn (under _lock); _lane_over is set on the
-        # event loop after each.
+        # busy (under _lock) from the hand-over until the event loop has taken the turn's end,
+        # its rest included (_lane_turn_over, which sets _lane_over): a step of the turn that
+        # is back in the queue must not start its next turn before that rest is known.
         self.lane = LowPriorityLane() if lanes_supported() and priority is not None else None
         self._lane_busy = False
         self._lane_over = trio.Event()
@@ -255,6 +255,8 @@ class StepBatcher:
         its rest starts, and its steps (and the takers' turns waiting for the lane) go on."""
         if self.reservation is not None:
             self.reservation.taker_turn_ran(cpu_s, trio.current_time())
+        with self._lock:
+            self._lane_busy = False
         over, self._lane_over = self._lane_over, trio.Event()
         over.set()
         self._notify()
@@ -386,10 +388,11 @@ class StepBatcher:
                             step.finish(None, e)
                 raise
             finally:
-                with self._lock:
-                    self._lane_busy = False
-                with contextlib.suppress(trio.RunFinishedError):
+                try:
                     token.run_sync_soon(self._lane_turn_over, cpu_s)
+                except trio.RunFinishedError:  # nobody waits for it: free the lane
+                    with self._lock:
+                        self._lane_busy = False
 
         assert self.lane is not None
         self.lane.submit(job)
