@@ -115,3 +115,57 @@ async def test_a_session_drops_an_early_push_it_does_not_take_and_stays_open() -
 
     handler._take_early_push(_Refusing())  # type: ignore[arg-type]
     assert handler.pushes.claim("s1") is None
+
+
+def _request(
+    session: str, upstream: str | None = "up", token: str | None = "t"
+) -> wire.OpenSession:
+    return wire.OpenSession(
+        session_id=session,
+        model="m",
+        start=0,
+        end=1,
+        max_length=8,
+        upstream=upstream,
+        push_token=token,
+    )
+
+
+def _tokened(session: str, step_id: int = 3, values: int = 8) -> wire.Step:
+    hidden = torch.ones(1, 1, values)
+    return wire.Step(session_id=session, step_id=step_id, hidden_states=hidden, push_token="t")
+
+
+async def test_a_dropped_early_push_is_named_to_its_session_as_it_opens(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A held step dropped (for room, too large, too early) is remembered without its tensor:
+    its session, opening later, learns the step id, if the step came from its upstream with its
+    token, once; within DROPPED_MEMORY_S and DROPPED_REMEMBERED."""
+    receiver = PushReceiver(_Server(), {})
+    mine = EARLY_PUSHES // 4
+    await _push(receiver, [_tokened(f"x{i}", step_id=i) for i in range(mine + 1)])
+    assert receiver.lost(_request("x0")) == 0  # dropped for room
+    assert receiver.lost(_request("x0")) is None  # told once
+    assert receiver.lost(_request("x1")) is None  # still held: claimed, not lost
+    # Only for the session's upstream, with its token.
+    for name, request, told in [
+        ("y", _request("y0"), None),  # the stranger is not its upstream
+        ("v", _request("v0", upstream="stranger", token="other"), None),
+        ("w", _request("w0", upstream=None), None),  # takes no pushes at all
+        ("u", _request("u0", upstream="stranger"), 3),
+    ]:
+        await _push(receiver, [_tokened(f"{name}{i}") for i in range(mine + 1)], sender="stranger")
+        assert receiver.lost(request) == told
+    # Too large to hold, and too early: remembered alike, for DROPPED_MEMORY_S.
+    monkeypatch.setattr(push, "EARLY_PUSH_BYTES", 4 * 100 * 4)
+    await _push(receiver, [_tokened("big", values=101), _tokened("early")])
+    await trio.sleep(EARLY_PUSH_WAIT_S + 1)
+    await _push(receiver, [_tokened("later")])  # (expired ones go as a new one comes)
+    assert receiver.claim("early") is None and receiver.lost(_request("early")) == 3
+    await trio.sleep(push.DROPPED_MEMORY_S)
+    assert receiver.lost(_request("big")) is None  # forgotten
+    # At most DROPPED_REMEMBERED, the oldest forgotten first.
+    monkeypatch.setattr(push, "DROPPED_REMEMBERED", 2)
+    await _push(receiver, [_tokened(name, values=101) for name in ("a", "b", "c")])
+    assert [receiver.lost(_request(name)) for name in ("a", "b", "c")] == [None, 3, 3]

@@ -23,6 +23,7 @@ import blocks
 import wire
 from peerd.node.p2p import PUSH_PROTOCOL
 from peerd.node.streams import MessageStream
+from peerd.server import push
 from peerd.server.block_server import TEST_CORRUPT_ENV
 from peerd.session import hops
 from peerd.session.generation import Generator
@@ -453,6 +454,35 @@ async def test_a_first_step_opens_the_route_and_an_early_push_waits_for_its_sess
             assert [hop.peer_id for hop in s.hops] == [net.peer_id("head"), net.peer_id("tail")]
             assert s.failures == 0
     assert claimed == [True]
+    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
+
+
+async def test_an_early_push_the_next_server_dropped_is_sent_again_at_once(
+    tiny_llama: Path, whole: blocks.Span, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As above, but the tail has no room to hold the head's early push (it drops it): as the
+    session opens there it says so (push_dropped), and the client moves the session (the same
+    server, the only one with those blocks; nobody banned) and runs the step again at once,
+    instead of waiting out its step timeout for a reply that cannot come."""
+    steps = _steps(8, (5, 1, 1))
+    async with open_memnet() as net:
+        _serve(net, tiny_llama, {"head": (0, 3), "tail": (3, 6)})
+        sessions = net.server("tail").sessions
+        handle = sessions.handle
+
+        async def late_handle(messages: MessageStream) -> None:
+            await trio.sleep(0.3)  # the head's push gets there first
+            await handle(messages)
+
+        monkeypatch.setattr(sessions, "handle", late_handle)
+        monkeypatch.setattr(push, "EARLY_PUSH_BYTES", 4)  # no step is small enough to hold
+        view = _view(net)
+        async with InferenceSession(view, max_length=16, open_with_first_step=True) as s:
+            with trio.fail_after(10):  # the dropped push would wait 60 s
+                outputs = [await s.step(hidden) for hidden in steps]
+            assert [hop.peer_id for hop in s.hops] == [net.peer_id("head"), net.peer_id("tail")]
+            assert s.failures == 0 and s.route_keeper.unattributed == 1
+        assert all(view.bans.failures(net.peer_id(name)) == 0 for name in ("head", "tail"))
     assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
 
 

@@ -400,6 +400,9 @@ class ErrorCode(enum.StrEnum):
     # The server took back an idle or long-held session's cache for a request waiting for it:
     # not a fault; reopen the session (here or elsewhere) and replay its inputs.
     LEASE_EXPIRED = "lease_expired"
+    # A step pushed into the session before it opened on this server was not kept (too many
+    # such steps, or it came too early): not the client's fault; send it again.
+    PUSH_DROPPED = "push_dropped"
     # Local API (daemon <-> its programs) and the client library.
     NO_ROUTE = "no_route"  # no chain of servers covers the model's blocks now
     INFERENCE_FAILED = "inference_failed"  # every route tried for a step failed

@@ -11,6 +11,7 @@ upstream floods it, which ends that session).
 
 from __future__ import annotations
 
+import hmac
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -40,6 +41,12 @@ PUSH_TIMEOUT_S = 5.0
 EARLY_PUSH_WAIT_S = 10.0
 EARLY_PUSHES = 16
 EARLY_PUSH_BYTES = 64 << 20
+# A held step dropped (for room, too large, too early) is remembered, without its tensor, for
+# DROPPED_MEMORY_S (at most DROPPED_REMEMBERED of them, the oldest forgotten first): should its
+# session open after all, its client hears at once that the step is gone (lost), instead of
+# waiting out its step timeout for a reply that cannot come, and sends it again.
+DROPPED_MEMORY_S = 60.0
+DROPPED_REMEMBERED = 256
 
 
 class TakesPushes(Protocol):
@@ -58,6 +65,17 @@ class _Early:
     size: int
 
 
+@dataclass
+class _Dropped:
+    """What is remembered of a held step that was dropped: enough to check, as its session
+    opens, that it came from the session's upstream with its push token."""
+
+    step_id: int
+    sender: str
+    push_token: str | None
+    until: float
+
+
 class PushReceiver:
     """The push streams into one server: each pushed step is handed to its session's task, so
     one session's step never holds up another's; one that comes before its session opened
@@ -68,6 +86,7 @@ class PushReceiver:
         self.live = live  # the open sessions by id (InferenceHandler.live)
         self._early: dict[str, _Early] = {}  # by session id, oldest first
         self._opening: set[str] = set()  # sessions whose OpenSession came, not yet open
+        self._dropped: dict[str, _Dropped] = {}  # held steps dropped, by session id, oldest first
 
     async def handle(self, messages: MessageStream) -> None:
         async with stream_boundary(self.server, messages, "push", answer_protocol_errors=False):
@@ -83,9 +102,10 @@ class PushReceiver:
         now = trio.current_time()
         for session_id, early in list(self._early.items()):
             if early.deadline < now and session_id not in self._opening:
-                del self._early[session_id]
+                self._drop(session_id, "waited too long for its session")
         size = step.hidden_states.numel() * step.hidden_states.element_size()
         if step.session_id in self._early or size > EARLY_PUSH_BYTES // 4:
+            self._remember_dropped(step, sender, now)
             log.info("pushed step for unknown session %s dropped", step.session_id[:12])
             return
         self._make_room(size, sender, EARLY_PUSHES // 4, EARLY_PUSH_BYTES // 4)
@@ -97,9 +117,21 @@ class PushReceiver:
         keeps theirs within `count` steps and `room` bytes."""
         held = [k for k, e in self._early.items() if sender is None or e.sender == sender]
         while held and (len(held) >= count or sum(self._early[k].size for k in held) + size > room):
-            dropped = held.pop(0)
-            del self._early[dropped]
-            log.info("early pushed step for session %s dropped for room", dropped[:12])
+            self._drop(held.pop(0), "for room")
+
+    def _drop(self, session_id: str, why: str) -> None:
+        early = self._early.pop(session_id)
+        self._remember_dropped(early.step, early.sender, trio.current_time())
+        log.info("early pushed step for session %s dropped %s", session_id[:12], why)
+
+    def _remember_dropped(self, step: wire.Step, sender: str, now: float) -> None:
+        for session_id, dropped in list(self._dropped.items()):
+            if dropped.until < now or len(self._dropped) >= DROPPED_REMEMBERED:
+                del self._dropped[session_id]
+        self._dropped.pop(step.session_id, None)  # the latest, at the end
+        self._dropped[step.session_id] = _Dropped(
+            step.step_id, sender, step.push_token, now + DROPPED_MEMORY_S
+        )
 
     @contextmanager
     def opening(self, session_id: str) -> Iterator[None]:
@@ -118,6 +150,23 @@ class PushReceiver:
         session checks both as it takes it)."""
         early = self._early.pop(session_id, None)
         return None if early is None else (early.step, early.sender)
+
+    def lost(self, request: wire.OpenSession) -> int | None:
+        """The id of a step that the session `request` opens would have taken (from its
+        upstream, with its push token) but that was pushed before it opened and dropped here;
+        forgotten once asked."""
+        dropped = self._dropped.pop(request.session_id, None)
+        if (
+            dropped is None
+            or dropped.until < trio.current_time()
+            or request.upstream is None
+            or dropped.sender != request.upstream
+            or request.push_token is None
+            or dropped.push_token is None
+            or not hmac.compare_digest(dropped.push_token, request.push_token)
+        ):
+            return None
+        return dropped.step_id
 
 
 class Pusher:

@@ -162,8 +162,17 @@ class InferenceHandler:
                 self.live[session_id] = live
                 standing = self.server.standing.of(live.messages.remote_peer)
                 opened = live.conv.opened(live.request.max_length, standing)
-                self._take_early_push(live)  # (no await since the session went live)
+                lost = self._take_early_push(live)  # (no await since the session went live)
                 await live.messages.send(opened)
+                if lost is not None:  # its client waits for that step's result: say why not
+                    live.fail(
+                        Refused(
+                            wire.ErrorCode.PUSH_DROPPED,
+                            f"step {lost}, pushed into this session by "
+                            f"{live.request.upstream} before the session opened here, was not "
+                            "kept (too many such steps, or it came too early): send it again",
+                        )
+                    )
                 await self._run_both_lanes(live)
             if live.failure is not None:  # a pushed step broke the session, or its lease lapsed
                 raise live.failure
@@ -171,16 +180,20 @@ class InferenceHandler:
             self.live.pop(session_id, None)
             self.scopes.discard(live.scope)
 
-    def _take_early_push(self, live: LiveSession) -> None:
+    def _take_early_push(self, live: LiveSession) -> int | None:
         """Queue the step pushed into the session before it opened, if one came from the peer
-        the session takes pushes from, with its push token."""
+        the session takes pushes from, with its push token. Otherwise, the id of such a step
+        that came but was not kept (PushReceiver.lost), if any: its client waits for it."""
         early = self.pushes.claim(live.request.session_id)
+        lost = self.pushes.lost(live.request)
         if early is None:
-            return
+            return lost
         try:
             live.take_pushed(*early)
         except PushRefused as e:
             log.info("dropped a step pushed before its session opened: %s", e)
+            return lost
+        return None
 
     async def _run_both_lanes(self, live: LiveSession) -> None:
         """The client's own steps and the pushed ones, until the client closes; an error of
