@@ -36,20 +36,25 @@ def _prompt_ids(tokenizer: Any) -> torch.Tensor:
 
 def _local_run(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, float, list[int]]:
     """(prefill seconds, decode tokens/s, tokens) of greedy generation by transformers (on the
-    compute thread, where the swarm's client does its passes: see run_swarm_bench)."""
+    compute thread, where the swarm's client does its passes: see run_swarm_bench). Each pass
+    computes the last position's logits alone, as transformers' own `generate` has it do
+    (`logits_to_keep=1`): the prompt's other 83 rows of logits are work nobody needs, and the
+    swarm's client does not do it either."""
     from transformers import DynamicCache
 
     blocks.threads.apply(ids.shape[1])  # the policy's count (run_swarm_bench: one for all passes)
     with torch.inference_mode():
         started = time.perf_counter()
         cache = DynamicCache()
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
         prefill_s = time.perf_counter() - started
         tokens = [int(token)]
         started = time.perf_counter()
         for _ in range(new_tokens - 1):
-            out = model(token, past_key_values=out.past_key_values, use_cache=True)
+            out = model(
+                token, past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1
+            )
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             tokens.append(int(token))
         decode_tps = (new_tokens - 1) / (time.perf_counter() - started)
