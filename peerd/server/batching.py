@@ -116,10 +116,8 @@ class StepBatcher:
         self._round_over = trio.Event()
         self._changed = trio.Event()  # set when a step comes or a round is queued (_gather)
         self._recent: dict[int, Recent] = {}  # id(session) -> what we know of its steps
-        # Takers' turns while contributors have the device reserved, on a CPU device (lane.py):
-        # busy (under _lock) from the hand-over until the event loop has taken the turn's end,
-        # its rest included (_lane_turn_over, which sets _lane_over): a step of the turn that
-        # is back in the queue must not start its next turn before that rest is known.
+        # Takers' turns while contributors have a CPU device reserved (lane.py): busy (_lock) from
+        # the hand-over until the event loop took the turn's end and rest (_lane_turn_over).
         self.lane = LowPriorityLane() if lanes_supported() and priority is not None else None
         self._lane_busy = False
         self._lane_over = trio.Event()
@@ -390,9 +388,8 @@ class StepBatcher:
             finally:
                 try:
                     token.run_sync_soon(self._lane_turn_over, cpu_s)
-                except trio.RunFinishedError:  # nobody waits for it: free the lane
-                    with self._lock:
-                        self._lane_busy = False
+                except trio.RunFinishedError:  # no run waits for it: free the lane
+                    self._lane_busy = False  # (nothing else runs: no lock needed)
 
         assert self.lane is not None
         self.lane.submit(job)
