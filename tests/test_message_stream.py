@@ -173,3 +173,13 @@ async def test_a_trickle_of_senders_holds_a_gathering_write_back_only_so_long() 
         nursery.start_soon(trickle)
     # Written after GATHER_PASSES passes (and the lock's and the write's own), not at the end.
     assert written_after and written_after[0] <= GATHER_PASSES + 4
+
+
+async def test_a_queued_message_goes_ahead_of_the_next_send_in_its_write() -> None:
+    """An OpenSession and its first step: one write, in that order; nothing before the send."""
+    raw = _CountingStream()
+    stream = MessageStream(raw, MAX_FRAME, "peer")
+    stream.queue(_step(0))
+    assert raw.writes == []
+    await stream.send(_step(1), "raw")
+    assert len(raw.writes) == 1 and _decoded(raw.writes) == [0, 1]

@@ -108,6 +108,13 @@ class MessageStream:
                 self._outbox.remove(frame)
             raise
 
+    def queue(self, message: Message, compression: str = "raw") -> None:
+        """Encode `message` now and send it ahead of the next `send`'s, in the same write: a
+        request that another follows at once (an OpenSession and its first step) costs the
+        peer one read, not two. Nothing is written until that send."""
+        data = encode_message(message, compression, max_frame_size=self.max_frame_size)
+        self._outbox.append(_Frame(data))
+
     async def _write_outbox(self) -> None:
         if self._broken is not None:
             raise PeerGone(str(self._broken))

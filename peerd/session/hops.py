@@ -353,8 +353,10 @@ async def open_hop(
     stream = await dial(swarm, hop, INFERENCE_PROTOCOL, options.connect_timeout)
     conversation = ClientInference(request)
     try:
-        await stream.send(request)
-        if first_step is not None:
+        if first_step is None:
+            await stream.send(request)
+        else:  # one write: the server reads the step with its OpenSession
+            stream.queue(request)
             await stream.send(first_step, options.codec)
         # The reply may take the connect time plus the time we offered to wait in its queue.
         wait = max(0.0, deadline - trio.current_time()) + ADMISSION_WAIT_S
