@@ -492,4 +492,7 @@ def bench_attack(
 
 
 if __name__ == "__main__":
+    from peerd.devtools.timeline import install_from_env
+
+    install_from_env()  # PEERD_TIMELINE=DIR: a LocalSwarm's daemons time-stamp a token's path
     app()

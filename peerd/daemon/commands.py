@@ -172,9 +172,6 @@ def start(
     from peerd.node.p2p import BadMultiaddr
 
     configure_logging(log_level)
-    from peerd.devtools.timeline import install_from_env
-
-    install_from_env()  # PEERD_TIMELINE=DIR: time stamps for docs/swarm.md's timeline
     config = _daemon_config(dict(ctx.params))
     try:
         run(config)

@@ -1,12 +1,13 @@
 """Where a decode token's time goes, across processes (docs/swarm.md, "Where a token's time goes").
 
-A sampling profile says where each process spends its time, not where a token waits. This puts
-time stamps on a token's path in every process at once: with `PEERD_TIMELINE=DIR` in its
-environment, `peerd start` calls `install(DIR)`, and so may the client's own process (a bench, a
-probe). Each event is a line appended to DIR/PID.log: `perf_counter()` (the system's monotonic
-clock, the same in every process of the machine), the pid, the event (`send0`/`send1` around
-`MessageStream.send`, `recv` as `receive` returns, `fw0`/`fw1` around a span's forward, `head0`/
-`head1` around the client's LM head and sampling), the message type and its step id.
+A sampling profile says where each process spends its time, not where a token waits. This puts time
+stamps on a token's path in every process at once: with `PEERD_TIMELINE=DIR` in its environment,
+`python -m cli` (how a LocalSwarm starts its daemons) calls `install(DIR)`, and so may the client's
+own process (a bench, a probe). Each event is a line appended to DIR/PID.log: `perf_counter()` (the
+system's monotonic clock, the same in every process of the machine), the pid, the event
+(`send0`/`send1` around `MessageStream.send`, `recv` as `receive` returns, `fw0`/`fw1` around a
+span's forward, `head0`/`head1` around the client's LM head and sampling), the message type and its
+step id.
 
 `python -m peerd.devtools.timeline DIR` follows each decode step of one generation at a time
 from the client's send through every server to the client's next send, and prints the median of
