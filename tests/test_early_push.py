@@ -154,6 +154,7 @@ async def test_a_dropped_early_push_is_named_to_its_session_as_it_opens(
         ("v", _request("v0", upstream="stranger", token="other"), None),
         ("w", _request("w0", upstream=None), None),  # takes no pushes at all
         ("u", _request("u0", upstream="stranger"), 3),
+        ("t", _request("t0", upstream="stranger", token="ü"), None),  # not ASCII: no match
     ]:
         await _push(receiver, [_tokened(f"{name}{i}") for i in range(mine + 1)], sender="stranger")
         assert receiver.lost(request) == told

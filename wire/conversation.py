@@ -254,7 +254,7 @@ class ServerInference:
                 f"session {step.session_id[:12]} takes pushed steps only from {upstream}, the "
                 f"hop before it in its client's route; {sender} is not"
             )
-        if token is not None and not _same_token(token, step.push_token):
+        if token is not None and not same_token(token, step.push_token):
             raise PushRefused(
                 f"a step pushed by {sender} into session {step.session_id[:12]} does not carry "
                 "the session's push token (push the next_hops entry's push_token)"
@@ -311,7 +311,7 @@ class ServerInference:
             )
 
 
-def _same_token(expected: str, given: str | None) -> bool:
+def same_token(expected: str, given: str | None) -> bool:
     """Constant-time: how long a comparison takes tells nothing of how much of a guess matched."""
     return given is not None and hmac.compare_digest(expected.encode(), given.encode())
 

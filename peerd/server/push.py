@@ -11,7 +11,6 @@ upstream floods it, which ends that session).
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ import wire
 from peerd.node.p2p import PUSH_PROTOCOL, Node
 from peerd.node.streams import MessageStream, PeerGone
 from peerd.server.boundary import SESSION_IDLE_TIMEOUT_S, CountsErrors, stream_boundary
+from wire.conversation import same_token
 
 log = logging.getLogger(__name__)
 
@@ -162,8 +162,7 @@ class PushReceiver:
             or request.upstream is None
             or dropped.sender != request.upstream
             or request.push_token is None
-            or dropped.push_token is None
-            or not hmac.compare_digest(dropped.push_token, request.push_token)
+            or not same_token(request.push_token, dropped.push_token)
         ):
             return None
         return dropped.step_id
