@@ -43,21 +43,19 @@ class _Log:
         self._file.write(f"{time.perf_counter():.6f} {self._pid} {event} {kind} {step}\n")
 
 
-_installed: _Log | None = None
 _originals: list[tuple[type, str, Any]] = []  # what install replaced, for uninstall
 
 
 def install(directory: Path) -> None:
     """Time-stamp this process's messages, forwards and LM-head passes into `directory`."""
-    global _installed
-    if _installed is not None:
+    if _originals:  # installed already
         return
     from blocks.span import Span
     from peerd.node.streams import MessageStream
     from peerd.session.generation import Generator
 
     directory.mkdir(parents=True, exist_ok=True)
-    log = _installed = _Log(directory)
+    log = _Log(directory)
     send, receive = MessageStream.send, MessageStream.receive
 
     @functools.wraps(send)
@@ -86,11 +84,9 @@ def install(directory: Path) -> None:
 
 def uninstall() -> None:
     """Undo `install` (the tests')."""
-    global _installed
     while _originals:
         owner, name, original = _originals.pop()
         setattr(owner, name, original)
-    _installed = None
 
 
 def _around(fn: Callable[..., Any], log: _Log, name: str) -> Callable[..., Any]:

@@ -88,8 +88,7 @@ class MessageStream:
         of one merged forward to the next server makes one write, not one for the first session
         and another for the rest. Each call returns once its own message is written; a call
         cancelled before then takes its message back unless a write already carries it."""
-        frame = _Frame(encode_message(message, compression, max_frame_size=self.max_frame_size))
-        self._outbox.append(frame)
+        frame = self.queue(message, compression)
         try:
             async with self._send_lock:
                 queued = passes = quiet = 0
@@ -108,12 +107,13 @@ class MessageStream:
                 self._outbox.remove(frame)
             raise
 
-    def queue(self, message: Message, compression: str = "raw") -> None:
+    def queue(self, message: Message, compression: str = "raw") -> _Frame:
         """Encode `message` now and send it ahead of the next `send`'s, in the same write: a
         request that another follows at once (an OpenSession and its first step) costs the
         peer one read, not two. Nothing is written until that send."""
-        data = encode_message(message, compression, max_frame_size=self.max_frame_size)
-        self._outbox.append(_Frame(data))
+        frame = _Frame(encode_message(message, compression, max_frame_size=self.max_frame_size))
+        self._outbox.append(frame)
+        return frame
 
     async def _write_outbox(self) -> None:
         if self._broken is not None:
