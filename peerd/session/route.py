@@ -297,7 +297,7 @@ class RouteKeeper:
     async def _replay(self, hops: list[Hop], start: int, history: torch.Tensor | None) -> None:
         """Rebuild the caches of fresh hops over blocks from `start` by running the remembered
         inputs through them, remembering the inputs of any new block boundary on the way."""
-        if history is None:
+        if history is None or history.shape[1] == 0:  # (a cut-back history may be empty)
             return
         hidden = history
         for hop in hops:
