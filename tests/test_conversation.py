@@ -207,6 +207,41 @@ def test_a_reply_to_a_step_never_sent_is_unexpected() -> None:
         conv2.received(_result(0))
 
 
+def test_queued_steps_are_owed_in_order_and_a_plain_one_gives_them_all_up() -> None:
+    """A prompt pipelined in chunks: steps 2, 3 and 4 in flight at once, answered in order, each
+    reply held to its own step's shape; a plain step after more queued ones abandons them all."""
+    conv = _client()
+    conv.sent_step(2, (1, 3, 4))
+    conv.sent_step(3, (1, 2, 4), queued=True)
+    conv.sent_step(4, (1, 1, 4), queued=True)
+    replies = [
+        wire.StepResult(session_id="s", step_id=i, hidden_states=torch.zeros(1, n, 4))
+        for i, n in ((2, 3), (3, 2), (4, 1))
+    ]
+    for reply in replies:
+        event = conv.received(reply)
+        assert isinstance(event, StepDone) and event.result.step_id == reply.step_id
+    conv.sent_step(5, (1, 1, 4))
+    conv.sent_step(6, (1, 1, 4), queued=True)
+    conv.sent_step(7, (1, 1, 4))  # a relayed step after a broken pipeline
+    assert isinstance(conv.received(_result(5)), LateReply)
+    assert isinstance(conv.received(_result(6)), LateReply)
+    assert isinstance(conv.received(_result(7)), StepDone)
+
+
+def test_a_queued_steps_reply_before_an_earlier_ones_is_unexpected() -> None:
+    conv = _client()
+    conv.sent_step(0)
+    conv.sent_step(1, queued=True)
+    with pytest.raises(UnexpectedReply, match="answers in order"):
+        conv.received(_result(1))
+    wrong_shape = _client()
+    wrong_shape.sent_step(0, (1, 2, 4))
+    wrong_shape.sent_step(1, (1, 1, 4), queued=True)
+    with pytest.raises(wire.ConversationError, match="shape"):
+        wrong_shape.received(_result(0))  # one token: step 0 had two
+
+
 def test_client_step_ids_must_increase() -> None:
     conv = _client()
     conv.sent_step(5)

@@ -31,7 +31,9 @@ Inference, client side (`ClientInference`, one per server session):
     conv.received(reply)               # StepDone | LateReply | Unsolicited | Refused
     conv.cancelled(step_id)            # gave up on that step's reply (Ctrl-C, a broken chain)
 
-One step is in flight per session: sending a step gives up on any earlier one still unanswered.
+Steps are answered in the order sent. Sending a step gives up on every earlier one still
+unanswered, unless it is `queued` behind them (a prompt pipelined in chunks: several steps in
+flight, their replies owed in order).
 A reply to a step given up on is a LateReply, to drop: the server is healthy, only slow. A reply
 to a step never sent is UnexpectedReply (the server is confused or lying) when nobody may push
 into the session; when its `upstream` may, it is Unsolicited: that upstream (or the server) ran
@@ -76,7 +78,9 @@ from wire.peer_protocol import (
 from wire.schema import Message
 
 # Pushed steps one session may have waiting. A client sends a session's next step only once it
-# has the last one's result, so more than a handful queued means a confused or hostile peer.
+# has the last one's result, or a prompt in a few chunks at once (at most 4,
+# peerd.session.steps.PIPELINE_MAX_CHUNKS), so more than that queued means a confused or hostile
+# peer.
 MAX_PUSHED_QUEUED = 8
 
 
@@ -262,7 +266,8 @@ class ServerInference:
         if self.pushed_waiting >= self.max_pushed:
             raise TooManyPushed(
                 f"more than {self.max_pushed} pushed steps wait for session "
-                f"{step.session_id[:12]}: send a session's next step only after its result"
+                f"{step.session_id[:12]}: send a session's next step only after its result (or "
+                "a prompt in at most 4 chunks)"
             )
         self.pushed_waiting += 1
         return StepRequested(step, pushed=True)
@@ -319,6 +324,16 @@ def same_token(expected: str, given: str | None) -> bool:
 # --- inference, client side ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Owed:
+    """A step whose reply the client waits for: its reply must have `shape` (its input's; None:
+    not checked), and is used in `dtype`."""
+
+    step_id: int
+    shape: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+
+
 @dataclass
 class ClientInference:
     """The client's side of one inference session on one server. See the module docstring."""
@@ -327,9 +342,7 @@ class ClientInference:
     phase: Phase = Phase.OPENING
     max_length: int = 0
     last_step_id: int = -1
-    owed: int | None = None  # the step whose reply we wait for
-    owed_shape: tuple[int, ...] | None = None  # its input's shape, which its reply must have
-    owed_dtype: torch.dtype | None = None  # its input's dtype, in which the reply is used
+    owed: list[Owed] = field(default_factory=list)  # the steps whose replies we wait for, in order
     abandoned: set[int] = field(default_factory=set)  # steps whose late replies we drop
 
     @property
@@ -355,31 +368,39 @@ class ClientInference:
         return self._step_reply(message)
 
     def _step_reply(self, result: StepResult) -> StepDone | LateReply | Unsolicited:
-        if result.step_id == self.owed:
-            self.owed = None
+        if self.owed and result.step_id == self.owed[0].step_id:
+            owed = self.owed.pop(0)
             # A server answers in order: replies to steps before this one will never come.
             self.abandoned = {s for s in self.abandoned if s > result.step_id}
-            if self.owed_shape is not None:
-                check_step_output(
-                    result.hidden_states, self.owed_shape, result.step_id, self.owed_dtype
-                )
+            if owed.shape is not None:
+                check_step_output(result.hidden_states, owed.shape, result.step_id, owed.dtype)
             return StepDone(result)
         if result.step_id in self.abandoned:
             self.abandoned.discard(result.step_id)
             return LateReply(result)
+        if any(owed.step_id == result.step_id for owed in self.owed):
+            raise UnexpectedReply(
+                f"a reply to step {result.step_id} before the reply to step "
+                f"{self.owed[0].step_id}, sent before it: a server answers in order"
+            )
         if self.request.upstream is not None:
             return Unsolicited(result)
+        waiting = self.owed[0].step_id if self.owed else None
         raise UnexpectedReply(
             f"a reply to step {result.step_id}, which this client never sent (waiting for "
-            f"{self.owed})"
+            f"{waiting})"
         )
 
     def sent_step(
-        self, step_id: int, shape: tuple[int, ...] | None = None, dtype: torch.dtype | None = None
+        self,
+        step_id: int,
+        shape: tuple[int, ...] | None = None,
+        dtype: torch.dtype | None = None,
+        queued: bool = False,
     ) -> None:
         """A step for this session was sent to its server (or pushed there on our behalf),
         its input of `shape` and `dtype` (None: its reply is not checked); any earlier step
-        still unanswered is given up on."""
+        still unanswered is given up on, unless this one is `queued` behind them."""
         if self.phase is not Phase.OPEN:
             raise OutOfTurn(f"cannot step a session that is {self.phase.value}")
         if step_id <= self.last_step_id:
@@ -387,15 +408,16 @@ class ClientInference:
                 f"step {step_id} after step {self.last_step_id}: step ids must increase within "
                 "a session (draw them from one counter, whether a step is sent or pushed)"
             )
-        if self.owed is not None:
-            self.abandoned.add(self.owed)
-        self.last_step_id, self.owed = step_id, step_id
-        self.owed_shape, self.owed_dtype = shape, dtype
+        if not queued:
+            self.abandoned.update(owed.step_id for owed in self.owed)
+            self.owed.clear()
+        self.last_step_id = step_id
+        self.owed.append(Owed(step_id, shape, dtype))
 
     def cancelled(self, step_id: int) -> None:
         """We stopped waiting for `step_id`'s reply: it is dropped when it comes."""
-        if self.owed == step_id:
-            self.owed = None
+        if any(owed.step_id == step_id for owed in self.owed):
+            self.owed = [owed for owed in self.owed if owed.step_id != step_id]
             self.abandoned.add(step_id)
 
     def closing(self) -> CloseSession:

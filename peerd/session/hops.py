@@ -149,9 +149,11 @@ class HopSession:
         start_position: int | None = None,
         next_hops: tuple[wire.NextHop, ...] = (),
         micro_batch: int | None = None,
+        queued: bool = False,
     ) -> None:
         """Send a step (naming `next_hops` to push it through, in the client's group of sessions
-        `micro_batch`); it is owed a reply from now."""
+        `micro_batch`); it is owed a reply from now, after the steps still owed if `queued`
+        (else those are given up on)."""
         step = wire.Step(
             session_id=self.session_id,
             step_id=step_id,
@@ -160,7 +162,7 @@ class HopSession:
             next_hops=next_hops,
             micro_batch=micro_batch,
         )
-        self.conversation.sent_step(step_id, tuple(hidden.shape), hidden.dtype)
+        self.conversation.sent_step(step_id, tuple(hidden.shape), hidden.dtype, queued)
         # Shielded: a cancel half-way through a frame would leave the stream unreadable for
         # the server, which would then end the session as broken.
         with trio.CancelScope(shield=True):
@@ -170,10 +172,11 @@ class HopSession:
             except trio.TooSlowError as e:
                 raise PeerGone(f"{self.peer_id} took no step for {self.timeout:.0f} s") from e
 
-    def expect(self, step_id: int, like: torch.Tensor) -> None:
+    def expect(self, step_id: int, like: torch.Tensor, queued: bool = False) -> None:
         """A step pushed to this hop by the previous server (its input, like every hop's, of
-        the shape and dtype of `like`): its reply comes on our stream."""
-        self.conversation.sent_step(step_id, tuple(like.shape), like.dtype)
+        the shape and dtype of `like`): its reply comes on our stream (after those of the steps
+        still owed if `queued`)."""
+        self.conversation.sent_step(step_id, tuple(like.shape), like.dtype, queued)
 
     async def receive_result(self, step_id: int) -> wire.StepResult:
         """The reply to `step_id`, dropping late replies to steps abandoned before it; a step
