@@ -81,13 +81,15 @@ class InferenceSession:
         verify_fraction: float | None = None,
         left_padding: tuple[int, ...] = (),
         open_with_first_step: bool = False,
+        pipeline: bool | None = None,
     ) -> None:
         """`routing`: which servers the session may use, how many failed ones it may replace,
         and how long dialing a hop and each step may take (None: the defaults above).
         `left_padding`: per row, padding positions at its start (a batch of prompts).
         `open_with_first_step`: entering only plans a route; the first step opens it, sent to
         the first hop with its OpenSession while the other hops open (hops.FirstStep), one
-        round trip sooner; `hops` stays empty until then."""
+        round trip sooner; `hops` stays empty until then.
+        `pipeline`: a long prompt in chunks (None: where it pays, steps.pipeline_chunks)."""
         if left_padding:  # ValueError: one count per row, each leaving room for a token
             check_left_padding(left_padding, batch_size, max_length)
         self.swarm = swarm
@@ -109,7 +111,7 @@ class InferenceSession:
             left_padding=self.left_padding,
         )
         self.route_keeper = _route_keeper(swarm, options, routing or wire.RouteOptions())
-        self.runner = StepRunner(self.route_keeper, codec, push)
+        self.runner = StepRunner(self.route_keeper, codec, push, pipeline)
         # Spot checks of the servers' results (the daemon's --verify unless given here).
         fraction = swarm.verify_fraction if verify_fraction is None else verify_fraction
         self.verifier: StepVerifier | None = None

@@ -1,0 +1,171 @@
+"""A long pushed step (a prompt) goes through the route in chunks (peerd.session.steps): each
+server gets the chunks one by one and starts on the first while the one before computes the next,
+the output matches the whole model's, and a server that dies mid-pipeline is replaced and the step
+run again whole. Against real BlockServers in one process (tests/memnet.py), and the policy that
+decides where chunks pay."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+import blocks
+from peerd.session.inference import InferenceSession
+from peerd.session.steps import PIPELINE_MAX_CHUNKS, pipeline_chunks
+from peerd.session.swarm import SwarmView
+from routing.planner import RouteHop
+from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet, save_tiny_llama
+from tests.numeric import assert_close_scaled
+from tests.test_routing_fixtures import make_record
+
+HIDDEN = 32  # the tiny llama's hidden size
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("pipelined"))
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_llama: Path) -> blocks.Span:
+    return blocks.load_span(tiny_llama, 0, TINY_BLOCKS)
+
+
+def _steps(seed: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, n, HIDDEN, generator=g) for n in sizes]
+
+
+def _reference(whole: blocks.Span, steps: list[torch.Tensor]) -> torch.Tensor:
+    with torch.inference_mode():
+        return whole(torch.cat(steps, dim=1))
+
+
+def _view(net: MemNet) -> SwarmView:
+    view = SwarmView(net.node("client"), TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
+    view.records = net.records()
+    return view
+
+
+def _tokens_run(net: MemNet, names: list[str]) -> dict[str, list[int]]:
+    """Per server, the tokens of every step its batcher runs from now on."""
+    seen: dict[str, list[int]] = {name: [] for name in names}
+    for name in names:
+        batcher = net.server(name).batcher
+        batcher.run = _recorder(batcher.run, seen[name])  # type: ignore[method-assign]
+    return seen
+
+
+def _recorder(run: Any, tokens: list[int]) -> Any:
+    async def recorded(span: Any, session: Any, hidden: torch.Tensor, *a: Any, **kw: Any) -> Any:
+        tokens.append(int(hidden.shape[1]))
+        return await run(span, session, hidden, *a, **kw)
+
+    return recorded
+
+
+@pytest.mark.parametrize("open_with_first_step", [False, True])
+async def test_a_long_prompt_goes_through_the_route_in_chunks_and_matches_the_whole_model(
+    tiny_llama: Path, whole: blocks.Span, open_with_first_step: bool
+) -> None:
+    """260 prompt tokens: 4 chunks (65 each) reach every server, pushed hop to hop (the
+    first one, with open_with_first_step, carried by the first hop's OpenSession); the decode
+    steps after it go whole."""
+    steps = _steps(11, (260, 1, 1))
+    names = ["head", "mid", "tail"]
+    async with open_memnet() as net:
+        for name, (start, end) in zip(names, ((0, 2), (2, 4), (4, 6)), strict=True):
+            net.serve(name, blocks.load_span(tiny_llama, start, end))
+        seen = _tokens_run(net, names)
+        async with InferenceSession(
+            _view(net), max_length=270, open_with_first_step=open_with_first_step
+        ) as session:
+            with trio.fail_after(30):
+                outputs = [await session.step(hidden) for hidden in steps]
+            assert session.failures == 0 and session.position == 262
+    assert seen == {name: [65, 65, 65, 65, 1, 1] for name in names}
+    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
+
+
+async def test_a_server_that_dies_mid_pipeline_is_replaced_and_the_prompt_runs_again_whole(
+    tiny_llama: Path, whole: blocks.Span
+) -> None:
+    """The server of blocks 3:6 dies as its third chunk arrives (it holds two): it is
+    banned and replaced, every hop starts over at position 0, and the prompt goes once more
+    through the route whole, relayed by the client; then decoding goes on, pushed, and every
+    output matches the whole model's."""
+    steps = _steps(12, (200, 1, 1))
+    names = ["head", "tail-1", "tail-2"]
+    async with open_memnet() as net:
+        for name, (start, end) in zip(names, ((0, 3), (3, 6), (3, 6)), strict=True):
+            net.serve(name, blocks.load_span(tiny_llama, start, end))
+        seen = _tokens_run(net, names)
+        doomed: dict[str, Any] = {"event": trio.Event(), "name": None}
+        for name in ("tail-1", "tail-2"):
+            run = net.server(name).batcher.run
+
+            async def dying(*a: Any, _run: Any = run, _name: str = name, **kw: Any) -> Any:
+                if len(seen[_name]) == 2 and doomed["name"] in (None, _name):
+                    doomed["name"] = _name
+                    doomed["event"].set()
+                    await trio.sleep_forever()  # until killed
+                return await _run(*a, **kw)
+
+            net.server(name).batcher.run = dying  # type: ignore[method-assign]
+        view = _view(net)
+        async with InferenceSession(view, max_length=210) as session, trio.open_nursery() as n:
+
+            async def kill() -> None:
+                await doomed["event"].wait()
+                net.kill(doomed["name"])
+
+            n.start_soon(kill)
+            with trio.fail_after(30):
+                outputs = [await session.step(hidden) for hidden in steps]
+            victim = doomed["name"]
+            survivor = "tail-2" if victim == "tail-1" else "tail-1"
+            assert session.failures == 1
+            assert view.bans.failures(net.peer_id(victim)) == 1
+            assert session.hops[1].peer_id == net.peer_id(survivor)
+    assert seen["head"] == [67, 67, 66, 200, 1, 1]  # 3 chunks, then the prompt whole
+    assert seen[victim] == [67, 67]  # it took the first two chunks
+    assert seen[survivor] == [200, 1, 1]  # nothing to replay (position 0), then the prompt whole
+    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
+
+
+def _hop(peer: str, start: int, end: int, *addrs: str) -> RouteHop:
+    return RouteHop(peer, start, end, make_record(peer, start, end, addrs=addrs))
+
+
+def test_chunks_pay_only_where_no_two_servers_share_a_host() -> None:
+    """Auto: chunks for a route across machines (in proportion to the prompt, at most
+    PIPELINE_MAX_CHUNKS; longer ones for GPUs), none where two servers announce one host (a
+    local swarm, one NAT) or for a short step or a single hop; relay addresses say nothing of a
+    server's own host."""
+    apart = [
+        _hop("a", 0, 10, "/ip4/10.0.0.1/tcp/1", "/ip4/203.0.113.5/tcp/1"),
+        _hop("b", 10, 20, "/ip4/10.0.0.2/tcp/1"),
+        _hop("c", 20, 30, "/ip6/2001:db8::3/tcp/1", "/ip4/198.51.100.1/tcp/9/p2p/R/p2p-circuit"),
+        _hop("d", 30, 32, "/dns4/example.org/tcp/1", "/ip4/198.51.100.1/tcp/9/p2p/R/p2p-circuit"),
+    ]
+    assert pipeline_chunks(200, apart, None) == 3
+    assert pipeline_chunks(10_000, apart, None) == PIPELINE_MAX_CHUNKS
+    assert pipeline_chunks(127, apart, None) == 1
+    assert pipeline_chunks(200, apart[:1], None) == 1
+    assert pipeline_chunks(200, apart, False) == 1
+    local = [_hop(p, 10 * i, 10 * i + 10, "/ip4/127.0.0.1/tcp/1") for i, p in enumerate("abc")]
+    assert pipeline_chunks(200, local, None) == 1
+    assert pipeline_chunks(200, local, True) == 3
+    one_nat = [apart[0], _hop("e", 10, 20, "/ip4/203.0.113.5/tcp/2")]
+    assert pipeline_chunks(200, one_nat, None) == 1
+    gpu = [
+        dataclasses.replace(hop, record=dataclasses.replace(hop.record, device="cuda:0"))
+        for hop in apart[:2]
+    ]
+    assert pipeline_chunks(1000, gpu, None) == 1
+    assert pipeline_chunks(1024, gpu, None) == 2
