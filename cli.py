@@ -13,7 +13,7 @@ from typing import Any
 
 import typer
 
-from peerd.bench.commands import bench_blocks, bench_fairness
+from peerd.bench.commands import bench_blocks, bench_fairness, bench_prefill
 from peerd.bench.idle import bench_idle
 from peerd.bench.scale import bench_scale
 from peerd.bench.spec import bench_spec
@@ -34,6 +34,7 @@ bench_app = typer.Typer(help="Benchmarks that report ratios measured side by sid
 app.add_typer(bench_app, name="bench")
 bench_app.command("spec", short_help="Speculative vs plain decoding on a WAN (root).")(bench_spec)
 bench_app.command("scale", short_help="Simulated swarm of N peers: routing at scale.")(bench_scale)
+bench_app.command("prefill", short_help="A long prompt: whole vs pipelined chunks.")(bench_prefill)
 bench_app.command("idle", short_help="Three local daemons left idle: CPU share and memory.")(
     bench_idle
 )

@@ -55,3 +55,24 @@ def bench_blocks(
         typer.echo(f"peerd bench blocks: {e}", err=True)
         raise typer.Exit(2) from None
     typer.echo(json.dumps(report) if as_json else "\n".join(f"{k}: {v}" for k, v in report.items()))
+
+
+def bench_prefill(
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    runs: int = typer.Option(5, min=1, help="Repetitions of each; medians are reported."),
+    repeat: int = typer.Option(3, min=1, help="The prompt: bench swarm's this many times over."),
+    colocated: bool = typer.Option(True, help="Also run three daemons sharing every core."),
+) -> None:
+    """A long prompt's first token through local daemons, whole against pipelined in chunks:
+    two daemons pinned to a core each (two machines), then three sharing the cores."""
+    import logging
+
+    from peerd.bench.prefill import run_prefill_bench
+
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        report = run_prefill_bench(runs=runs, repeat=repeat, colocated=colocated)
+    except ValueError as e:
+        typer.echo(f"peerd bench prefill: {e}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(report) if as_json else "\n".join(f"{k}: {v}" for k, v in report.items()))
