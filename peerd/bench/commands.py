@@ -62,6 +62,7 @@ def bench_prefill(
     runs: int = typer.Option(5, min=1, help="Repetitions of each; medians are reported."),
     repeat: int = typer.Option(3, min=1, help="The prompt: bench swarm's this many times over."),
     colocated: bool = typer.Option(True, help="Also run three daemons sharing every core."),
+    new_tokens: int = typer.Option(4, min=1, help="Greedy tokens per generation, compared."),
 ) -> None:
     """A long prompt's first token through local daemons, whole against pipelined in chunks:
     two daemons pinned to a core each (two machines), then three sharing the cores."""
@@ -71,7 +72,9 @@ def bench_prefill(
 
     logging.basicConfig(level=logging.WARNING)
     try:
-        report = run_prefill_bench(runs=runs, repeat=repeat, colocated=colocated)
+        report = run_prefill_bench(
+            runs=runs, repeat=repeat, colocated=colocated, new_tokens=new_tokens
+        )
     except ValueError as e:
         typer.echo(f"peerd bench prefill: {e}", err=True)
         raise typer.Exit(2) from None
