@@ -15,6 +15,7 @@ import torch
 import trio
 
 import blocks
+from peerd.server.block_server import TEST_CORRUPT_ENV
 from peerd.session.inference import InferenceSession
 from peerd.session.steps import PIPELINE_MAX_CHUNKS, pipeline_chunks
 from peerd.session.swarm import SwarmView
@@ -136,6 +137,93 @@ async def test_a_server_that_dies_mid_pipeline_is_replaced_and_the_prompt_runs_a
     assert seen[victim] == [67, 67]  # it took the first two chunks
     assert seen[survivor] == [200, 1, 1]  # nothing to replay (position 0), then the prompt whole
     assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
+
+
+async def test_a_lying_server_is_caught_on_a_pipelined_prompt_and_routed_around(
+    tiny_llama: Path, whole: blocks.Span, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The spot checks see a pipelined prompt as one step: every hop's remembered inputs are
+    its chunks' inputs in order, so a checker re-runs the liar's part and catches it."""
+    steps = _steps(13, (160, 1))
+    async with open_memnet() as net:
+        monkeypatch.setenv(TEST_CORRUPT_ENV, "1")  # every step it answers is wrong
+        net.serve("liar", blocks.load_span(tiny_llama, 3, 6))
+        monkeypatch.delenv(TEST_CORRUPT_ENV)
+        for name, (start, end) in (("head", (0, 3)), ("honest-1", (3, 6)), ("honest-2", (3, 6))):
+            net.serve(name, blocks.load_span(tiny_llama, start, end))
+        view = _view(net)
+        view.records = net.records(["head", "liar"])  # the route can only go through the liar
+        async with InferenceSession(view, max_length=170, verify_fraction=1.0) as session:
+            view.records = net.records()  # ...then the checkers appear (a verifier, a referee)
+            seen = _tokens_run(net, ["liar"])
+            with trio.fail_after(30):
+                outputs = [await session.step(hidden) for hidden in steps]
+            liar = net.peer_id("liar")
+            assert seen["liar"][:2] == [80, 80]  # it got the prompt in chunks
+            assert session.verifier is not None
+            assert [m.liar for m in session.verifier.mismatches] == [liar]
+            assert session.hops[1].peer_id in (net.peer_id("honest-1"), net.peer_id("honest-2"))
+    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
+
+
+async def test_a_pipelined_prompt_cancelled_midway_leaves_the_session_usable(
+    tiny_llama: Path, whole: blocks.Span
+) -> None:
+    """Ctrl-C while the tail computes the second of three chunks: the session rolls back to
+    where it was, the replies still owed come late and are dropped, and the next prompt runs
+    (pipelined again) as if the cancelled one was never sent, blaming nobody."""
+    first, cancelled, again = _steps(14, (3, 200, 200))
+    async with open_memnet() as net:
+        for name, (start, end) in (("head", (0, 3)), ("tail", (3, 6))):
+            net.serve(name, blocks.load_span(tiny_llama, start, end))
+        seen = _tokens_run(net, ["tail"])
+        tail = net.server("tail").batcher
+        run, gate = tail.run, {"entered": trio.Event(), "release": trio.Event()}
+
+        async def held(*a: Any, **kw: Any) -> Any:
+            if len(seen["tail"]) == 2:  # its second chunk (the first prompt came whole)
+                gate["entered"].set()
+                await gate["release"].wait()
+            return await run(*a, **kw)
+
+        tail.run = held  # type: ignore[method-assign]
+        view = _view(net)
+        async with InferenceSession(view, max_length=420) as session:
+            outputs = [await session.step(first)]
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(session.step, cancelled)
+                    await gate["entered"].wait()
+                    scope.cancel()
+            assert scope.cancelled_caught and session.position == 3
+            gate["release"].set()
+            with trio.fail_after(30):
+                outputs.append(await session.step(again))
+            assert session.failures == 0 and session.position == 203
+            assert all(view.bans.failures(peer) == 0 for peer in view.records)
+    assert seen["tail"][:2] == [3, 67]  # the first prompt whole, then chunks
+    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, [first, again]))
+
+
+async def test_a_batch_of_left_padded_prompts_gives_the_same_pipelined_as_whole(
+    tiny_llama: Path,
+) -> None:
+    """Two prompts of one batch, the second left-padded by 37 positions (its mask covers every
+    chunk): pipelined, the outputs of its real tokens are those of the batch sent whole."""
+    batch = torch.randn(2, 150, HIDDEN, generator=torch.Generator().manual_seed(15))
+    outputs = {}
+    async with open_memnet() as net:
+        for name, (start, end) in (("head", (0, 3)), ("tail", (3, 6))):
+            net.serve(name, blocks.load_span(tiny_llama, start, end))
+        seen = _tokens_run(net, ["head"])
+        for pipeline in (False, True):
+            async with InferenceSession(
+                _view(net), max_length=160, batch_size=2, left_padding=(0, 37), pipeline=pipeline
+            ) as session:
+                outputs[pipeline] = await session.step(batch)
+    assert seen["head"] == [150, 75, 75]
+    assert_close_scaled(outputs[True][0], outputs[False][0])
+    assert_close_scaled(outputs[True][1, 37:], outputs[False][1, 37:])
 
 
 def _hop(peer: str, start: int, end: int, *addrs: str) -> RouteHop:
