@@ -22,6 +22,7 @@ from peerd.session.swarm import SwarmView
 from routing.planner import RouteHop
 from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet, save_tiny_llama
 from tests.numeric import assert_close_scaled
+from tests.test_max_batch_size import started_with
 from tests.test_routing_fixtures import make_record
 
 HIDDEN = 32  # the tiny llama's hidden size
@@ -257,3 +258,37 @@ def test_chunks_pay_only_where_no_two_servers_share_a_host() -> None:
     ]
     assert pipeline_chunks(1000, gpu, None) == 1
     assert pipeline_chunks(1024, gpu, None) == 2
+
+
+@pytest.mark.parametrize(("flag", "mode"), [([], None), (["on"], True), (["off"], False)])
+def test_the_flag_reaches_the_daemon_config(
+    monkeypatch: pytest.MonkeyPatch, flag: list[str], mode: bool | None
+) -> None:
+    args = ["--pipeline-prompts", *flag] if flag else []
+    result, configs = started_with(monkeypatch, *args)
+    assert result.exit_code == 0, result.output
+    assert configs[0].pipeline_prompts is mode
+
+
+def test_a_wrong_mode_is_refused_with_the_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    result, configs = started_with(monkeypatch, "--pipeline-prompts", "yes")
+    assert result.exit_code == 2 and not configs
+    assert "--pipeline-prompts" in result.output and "auto, on or off" in result.output
+
+
+async def test_the_swarm_views_setting_decides_where_the_session_does_not(
+    tiny_llama: Path,
+) -> None:
+    """A session left at pipeline=None follows its swarm view's pipeline_prompts (the daemon's
+    --pipeline-prompts): off keeps a 200-token prompt whole on a route that would chunk it."""
+    hidden = _steps(16, (200,))[0]
+    async with open_memnet() as net:
+        for name, (start, end) in (("head", (0, 3)), ("tail", (3, 6))):
+            net.serve(name, blocks.load_span(tiny_llama, start, end))
+        seen = _tokens_run(net, ["head"])
+        view = _view(net)
+        for setting in (False, None):
+            view.pipeline_prompts = setting
+            async with InferenceSession(view, max_length=210) as session:
+                await session.step(hidden)
+    assert seen["head"] == [200, 67, 67, 66]

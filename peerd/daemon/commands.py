@@ -124,6 +124,12 @@ QUANT = typer.Option(
 REACHABILITY = typer.Option(
     "auto", help="auto (peers dial us back: AutoNAT), public, or private (behind NAT: use relays)."
 )
+PIPELINE_PROMPTS = typer.Option(
+    "auto",
+    help="Send long prompts through the route in chunks, each server starting while the one "
+    "before computes the next: auto (when no two servers share a host), on, off. "
+    "docs/swarm.md#pipelined-prompts",
+)
 PRIORITY = typer.Option(
     "standing",
     help="When loaded, serve first: standing (peers that serve this model, takers keep 20%) "
@@ -155,6 +161,7 @@ def start(
     swarm_name: str = SWARM_NAME,
     adapters: list[Path] = ADAPTERS,
     verify_fraction: float = VERIFY_FRACTION,
+    pipeline_prompts: str = PIPELINE_PROMPTS,
     batching: bool = BATCHING,
     max_batch_size: int = MAX_BATCH_SIZE,
     device: str = DEVICE,
@@ -207,6 +214,13 @@ def _daemon_config(flags: dict[str, Any]) -> DaemonConfig:
         hint = "--public-ip" if "--public-ip" in str(e) else "--announce-maddrs"
         raise typer.BadParameter(str(e).split(": ", 1)[1], param_hint=hint) from None
     _check_public_name(flags["public_name"])
+    modes = {"auto": None, "on": True, "off": False}
+    if flags["pipeline_prompts"] not in modes:
+        raise typer.BadParameter(
+            f"{flags['pipeline_prompts']!r}: expected auto, on or off",
+            param_hint="--pipeline-prompts",
+        )
+    flags["pipeline_prompts"] = modes[flags["pipeline_prompts"]]
     if flags["priority"] not in ("standing", "fifo"):
         raise typer.BadParameter(
             f"{flags['priority']!r}: expected standing or fifo", param_hint="--priority"

@@ -98,8 +98,8 @@ class DaemonConfig:
     adapters: list[Path] = field(default_factory=list)  # PEFT LoRA directories to serve
     reachability: str = "auto"  # auto (AutoNAT), public or private (behind NAT: use relays)
     limits: ServerLimits = field(default_factory=ServerLimits)
-    # spot-check this fraction of our sessions' steps (peerd.session.verify)
-    verify_fraction: float = 0.0
+    verify_fraction: float = 0.0  # spot-check this fraction of our sessions' steps (session.verify)
+    pipeline_prompts: bool | None = None  # long prompts in chunks (session.steps; None: auto)
     batching: bool = True  # merge concurrent steps of different sessions into one forward
     priority: str = "standing"  # who goes first when loaded: standing or fifo (server.priority)
     # What peers are told to dial (peerd.node.addresses): replaces our addresses / goes first.
@@ -217,8 +217,7 @@ class Daemon:
     async def run(self) -> None:
         config = self.config
         set_up_threads(config.torch_threads, config.prefill_threads)
-        # Our records are re-provided every period; keep them a few periods, not 48 h.
-        set_provider_record_ttl(3 * config.refresh_period)
+        set_provider_record_ttl(3 * config.refresh_period)  # re-provided each period: not 48 h
         async with open_node(
             self.key_pair,
             config.listen_addrs(),
@@ -236,6 +235,7 @@ class Daemon:
                 swarm_name=config.swarm_name,
             )
             self.swarm.verify_fraction = config.verify_fraction
+            self.swarm.pipeline_prompts = config.pipeline_prompts
             self.swarm.directory.hold_records()  # of the DHT keys we are closest to
             ttl = 2 * config.refresh_period + REFRESH_SLACK_S
             self.models = SwarmModels(

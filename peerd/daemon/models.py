@@ -256,6 +256,7 @@ class SwarmModels:
                 swarm_name=like.swarm_name,
             )
             view.verify_fraction = like.verify_fraction
+            view.pipeline_prompts = like.pipeline_prompts
             view.directory.board = like.directory.board
             view.on_record = self.hear
             # What we heard is live records (each answered an info call within record_ttl):

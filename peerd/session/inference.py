@@ -89,7 +89,7 @@ class InferenceSession:
         `open_with_first_step`: entering only plans a route; the first step opens it, sent to
         the first hop with its OpenSession while the other hops open (hops.FirstStep), one
         round trip sooner; `hops` stays empty until then.
-        `pipeline`: a long prompt in chunks (None: where it pays, steps.pipeline_chunks)."""
+        `pipeline`: a long prompt in chunks (None: the swarm view's pipeline_prompts)."""
         if left_padding:  # ValueError: one count per row, each leaving room for a token
             check_left_padding(left_padding, batch_size, max_length)
         self.swarm = swarm

@@ -102,7 +102,9 @@ class StepRunner:
         self.route = route
         self.codec = codec
         self.push = push
-        self.pipeline = pipeline  # long pushed steps in chunks: None auto, see pipeline_chunks
+        # Long pushed steps in chunks (pipeline_chunks); None: the swarm view's pipeline_prompts
+        # (the daemon's --pipeline-prompts), which None leaves to pipeline_chunks' own judgement.
+        self.pipeline = pipeline
         self.hooks: list[StepHook] = []
         # The group of the client's concurrent sessions the next steps belong to
         # (wire.Step.micro_batch; set by the generation that runs them); None: merged with any.
@@ -205,7 +207,8 @@ class StepRunner:
 
     def _chunks(self, hidden: torch.Tensor, route: Sequence[RouteHop]) -> list[torch.Tensor]:
         """`hidden` cut along its tokens into the chunks it goes through `route` in."""
-        count = pipeline_chunks(int(hidden.shape[1]), route, self.pipeline)
+        mode = self.route.swarm.pipeline_prompts if self.pipeline is None else self.pipeline
+        count = pipeline_chunks(int(hidden.shape[1]), route, mode)
         return list(hidden.tensor_split(count, dim=1))
 
     async def _pipeline(

@@ -2,8 +2,7 @@
 the others, and confirming each candidate with a live `info` call before routing through it.
 
 The DHT only says who *might* serve a block (py-libp2p keeps provider records long after a peer
-dies); a server is in our view only while it answers `info`.
-"""
+dies); a server is in our view only while it answers `info`."""
 
 from __future__ import annotations
 
@@ -100,6 +99,7 @@ class SwarmView:
         self.bans = BanList()
         # Fraction of steps this daemon's sessions re-run on a second server (peerd.session.verify).
         self.verify_fraction = 0.0
+        self.pipeline_prompts: bool | None = None  # in chunks: steps.pipeline_chunks (None: auto)
         # peer -> (the standing it said it grants us when it last opened a session, when)
         self.standing_seen: dict[str, tuple[float, float]] = {}
         self._refresh_lock = trio.Lock()
