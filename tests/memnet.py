@@ -36,6 +36,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import trio
 import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
@@ -51,10 +52,12 @@ from peerd.node.p2p import (
 )
 from peerd.server.block_server import BlockServer, ServerLimits
 from peerd.server.compute import ComputeQueue
+from peerd.session.swarm import SwarmView
 from routing.records import ServerRecord
 
 TINY_MODEL = "tiny-llama"
 TINY_BLOCKS = 6  # tests/test_blocks.py's tiny llama: 6 blocks, hidden size 32
+TINY_HIDDEN = 32
 READ_CHUNK = 1 << 20
 
 Handler = Callable[["MemoryByteStream", str], Awaitable[None]]
@@ -65,6 +68,28 @@ def save_tiny_llama(directory: Path) -> Path:
     from tests.tiny_models import save_tiny
 
     return save_tiny("llama", directory / "llama")
+
+
+def random_steps(seed: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
+    """Hidden states of the tiny llama for steps of `sizes` tokens (a prompt, then decode
+    steps), [1, tokens, TINY_HIDDEN] each, the same for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, n, TINY_HIDDEN, generator=g) for n in sizes]
+
+
+def whole_output(whole: blocks.Span, steps: list[torch.Tensor]) -> torch.Tensor:
+    """What every block in one span (`whole`) makes of all those tokens as one sequence, in one
+    pass: the reference a route of servers must match."""
+    with torch.inference_mode():
+        return whole(torch.cat(steps, dim=1))
+
+
+def view_over(net: MemNet, names: Iterable[str] | None = None) -> SwarmView:
+    """A client's SwarmView over the net's live servers (of `names` only, if given), its
+    records put in as a refresh would have found them."""
+    view = SwarmView(net.node("client"), TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
+    view.records = net.records(names)
+    return view
 
 
 class MemoryByteStream:

@@ -20,8 +20,16 @@ import wire
 from peerd.node.streams import MessageStream, PeerGone
 from peerd.server.block_server import BlockServer
 from peerd.session.inference import InferenceSession
-from peerd.session.swarm import SwarmView
-from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet, save_tiny_llama, stream_pair
+from tests.memnet import (
+    TINY_BLOCKS,
+    MemNet,
+    open_memnet,
+    random_steps,
+    save_tiny_llama,
+    stream_pair,
+    view_over,
+    whole_output,
+)
 from tests.numeric import assert_close_scaled
 
 HIDDEN = 32  # the tiny llama's hidden size
@@ -86,25 +94,9 @@ def whole(tiny_llama: Path) -> blocks.Span:
     return blocks.load_span(tiny_llama, 0, TINY_BLOCKS)
 
 
-def _steps(seed: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, n, HIDDEN, generator=g) for n in sizes]
-
-
-def _reference(whole: blocks.Span, steps: list[torch.Tensor]) -> torch.Tensor:
-    with torch.inference_mode():
-        return whole(torch.cat(steps, dim=1))
-
-
 def _serve(net: MemNet, path: Path, spans: dict[str, tuple[int, int]]) -> None:
     for name, (start, end) in spans.items():
         net.serve(name, blocks.load_span(path, start, end))
-
-
-def _view(net: MemNet, names: list[str]) -> SwarmView:
-    view = SwarmView(net.node("client"), TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
-    view.records = net.records(names)
-    return view
 
 
 def make_hostile(server: BlockServer, tamper: Tamper) -> None:
@@ -153,12 +145,12 @@ async def test_a_hostile_reply_is_that_hops_failure_never_a_crash(
 ) -> None:
     """The route can only start at the hostile server; once it is caught, a spare takes its
     blocks with the cache replayed. The honest servers are never blamed."""
-    steps = _steps(5, (4, 1, 1))
-    reference = _reference(whole, steps)
+    steps = random_steps(5, (4, 1, 1))
+    reference = whole_output(whole, steps)
     async with open_memnet() as net:
         _serve(net, tiny_llama, {"hostile": (0, 3), "tail": (3, 6), "spare": (0, 3)})
         make_hostile(net.server("hostile"), TAMPERS[tamper])
-        view = _view(net, ["hostile", "tail"])
+        view = view_over(net, ["hostile", "tail"])
         async with InferenceSession(view, max_length=16, push=push) as session:
             assert session.hops[0].peer_id == net.peer_id("hostile")
             view.records = net.records()  # the spare appears
@@ -181,8 +173,8 @@ async def test_a_bad_push_is_not_blamed_on_the_honest_hop_that_refuses_it(
     server refuses it. Nothing tells us which of the two is at fault, so neither is banned;
     the session moves the refusing hop, stops pushing and relays every step itself, where each
     output is checked before the next server sees it."""
-    steps = _steps(6, (4, 1, 1, 1))
-    reference = _reference(whole, steps)
+    steps = random_steps(6, (4, 1, 1, 1))
+    reference = whole_output(whole, steps)
     async with open_memnet() as net:
         _serve(net, tiny_llama, {"pusher": (0, 3), "tail": (3, 6)})
         pusher = net.server("pusher").sessions.pusher
@@ -192,7 +184,7 @@ async def test_a_bad_push_is_not_blamed_on_the_honest_hop_that_refuses_it(
             return await honest_push(message, torch.cat([output] * 8, dim=1), codec)
 
         monkeypatch.setattr(pusher, "push", oversized_push)
-        view = _view(net, ["pusher", "tail"])
+        view = view_over(net, ["pusher", "tail"])
         async with InferenceSession(view, max_length=16) as session:
             with trio.fail_after(30):
                 outputs = [await session.step(hidden) for hidden in steps]

@@ -18,9 +18,16 @@ import blocks
 from peerd.server.block_server import TEST_CORRUPT_ENV
 from peerd.session.inference import InferenceSession
 from peerd.session.steps import PIPELINE_MAX_CHUNKS, pipeline_chunks
-from peerd.session.swarm import SwarmView
 from routing.planner import RouteHop
-from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet, save_tiny_llama
+from tests.memnet import (
+    TINY_BLOCKS,
+    MemNet,
+    open_memnet,
+    random_steps,
+    save_tiny_llama,
+    view_over,
+    whole_output,
+)
 from tests.numeric import assert_close_scaled
 from tests.test_max_batch_size import started_with
 from tests.test_routing_fixtures import make_record
@@ -36,22 +43,6 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def whole(tiny_llama: Path) -> blocks.Span:
     return blocks.load_span(tiny_llama, 0, TINY_BLOCKS)
-
-
-def _steps(seed: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, n, HIDDEN, generator=g) for n in sizes]
-
-
-def _reference(whole: blocks.Span, steps: list[torch.Tensor]) -> torch.Tensor:
-    with torch.inference_mode():
-        return whole(torch.cat(steps, dim=1))
-
-
-def _view(net: MemNet) -> SwarmView:
-    view = SwarmView(net.node("client"), TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
-    view.records = net.records()
-    return view
 
 
 def _tokens_run(net: MemNet, names: list[str]) -> dict[str, list[int]]:
@@ -78,20 +69,20 @@ async def test_a_long_prompt_goes_through_the_route_in_chunks_and_matches_the_wh
     """260 prompt tokens: 4 chunks (65 each) reach every server, pushed hop to hop (the
     first one, with open_with_first_step, carried by the first hop's OpenSession); the decode
     steps after it go whole."""
-    steps = _steps(11, (260, 1, 1))
+    steps = random_steps(11, (260, 1, 1))
     names = ["head", "mid", "tail"]
     async with open_memnet() as net:
         for name, (start, end) in zip(names, ((0, 2), (2, 4), (4, 6)), strict=True):
             net.serve(name, blocks.load_span(tiny_llama, start, end))
         seen = _tokens_run(net, names)
         async with InferenceSession(
-            _view(net), max_length=270, open_with_first_step=open_with_first_step
+            view_over(net), max_length=270, open_with_first_step=open_with_first_step
         ) as session:
             with trio.fail_after(30):
                 outputs = [await session.step(hidden) for hidden in steps]
             assert session.failures == 0 and session.position == 262
     assert seen == {name: [65, 65, 65, 65, 1, 1] for name in names}
-    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
+    assert_close_scaled(torch.cat(outputs, dim=1), whole_output(whole, steps))
 
 
 async def test_a_server_that_dies_mid_pipeline_is_replaced_and_the_prompt_runs_again_whole(
@@ -101,7 +92,7 @@ async def test_a_server_that_dies_mid_pipeline_is_replaced_and_the_prompt_runs_a
     banned and replaced, every hop starts over at position 0, and the prompt goes once more
     through the route whole, relayed by the client; then decoding goes on, pushed, and every
     output matches the whole model's."""
-    steps = _steps(12, (200, 1, 1))
+    steps = random_steps(12, (200, 1, 1))
     names = ["head", "tail-1", "tail-2"]
     async with open_memnet() as net:
         for name, (start, end) in zip(names, ((0, 3), (3, 6), (3, 6)), strict=True):
@@ -119,7 +110,7 @@ async def test_a_server_that_dies_mid_pipeline_is_replaced_and_the_prompt_runs_a
                 return await _run(*a, **kw)
 
             net.server(name).batcher.run = dying  # type: ignore[method-assign]
-        view = _view(net)
+        view = view_over(net)
         async with InferenceSession(view, max_length=210) as session, trio.open_nursery() as n:
 
             async def kill() -> None:
@@ -137,7 +128,7 @@ async def test_a_server_that_dies_mid_pipeline_is_replaced_and_the_prompt_runs_a
     assert seen["head"] == [67, 67, 66, 200, 1, 1]  # 3 chunks, then the prompt whole
     assert seen[victim] == [67, 67]  # it took the first two chunks
     assert seen[survivor] == [200, 1, 1]  # nothing to replay (position 0), then the prompt whole
-    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
+    assert_close_scaled(torch.cat(outputs, dim=1), whole_output(whole, steps))
 
 
 async def test_a_lying_server_is_caught_on_a_pipelined_prompt_and_routed_around(
@@ -145,14 +136,14 @@ async def test_a_lying_server_is_caught_on_a_pipelined_prompt_and_routed_around(
 ) -> None:
     """The spot checks see a pipelined prompt as one step: every hop's remembered inputs are
     its chunks' inputs in order, so a checker re-runs the liar's part and catches it."""
-    steps = _steps(13, (160, 1))
+    steps = random_steps(13, (160, 1))
     async with open_memnet() as net:
         monkeypatch.setenv(TEST_CORRUPT_ENV, "1")  # every step it answers is wrong
         net.serve("liar", blocks.load_span(tiny_llama, 3, 6))
         monkeypatch.delenv(TEST_CORRUPT_ENV)
         for name, (start, end) in (("head", (0, 3)), ("honest-1", (3, 6)), ("honest-2", (3, 6))):
             net.serve(name, blocks.load_span(tiny_llama, start, end))
-        view = _view(net)
+        view = view_over(net)
         view.records = net.records(["head", "liar"])  # the route can only go through the liar
         async with InferenceSession(view, max_length=170, verify_fraction=1.0) as session:
             view.records = net.records()  # ...then the checkers appear (a verifier, a referee)
@@ -164,7 +155,7 @@ async def test_a_lying_server_is_caught_on_a_pipelined_prompt_and_routed_around(
             assert session.verifier is not None
             assert [m.liar for m in session.verifier.mismatches] == [liar]
             assert session.hops[1].peer_id in (net.peer_id("honest-1"), net.peer_id("honest-2"))
-    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
+    assert_close_scaled(torch.cat(outputs, dim=1), whole_output(whole, steps))
 
 
 async def test_a_pipelined_prompt_cancelled_midway_leaves_the_session_usable(
@@ -173,7 +164,7 @@ async def test_a_pipelined_prompt_cancelled_midway_leaves_the_session_usable(
     """Ctrl-C while the tail computes the second of three chunks: the session rolls back to
     where it was, the replies still owed come late and are dropped, and the next prompt runs
     (pipelined again) as if the cancelled one was never sent, blaming nobody."""
-    first, cancelled, again = _steps(14, (3, 200, 200))
+    first, cancelled, again = random_steps(14, (3, 200, 200))
     async with open_memnet() as net:
         for name, (start, end) in (("head", (0, 3)), ("tail", (3, 6))):
             net.serve(name, blocks.load_span(tiny_llama, start, end))
@@ -188,7 +179,7 @@ async def test_a_pipelined_prompt_cancelled_midway_leaves_the_session_usable(
             return await run(*a, **kw)
 
         tail.run = held  # type: ignore[method-assign]
-        view = _view(net)
+        view = view_over(net)
         async with InferenceSession(view, max_length=420) as session:
             outputs = [await session.step(first)]
             with trio.CancelScope() as scope:
@@ -203,7 +194,7 @@ async def test_a_pipelined_prompt_cancelled_midway_leaves_the_session_usable(
             assert session.failures == 0 and session.position == 203
             assert all(view.bans.failures(peer) == 0 for peer in view.records)
     assert seen["tail"][:2] == [3, 67]  # the first prompt whole, then chunks
-    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, [first, again]))
+    assert_close_scaled(torch.cat(outputs, dim=1), whole_output(whole, [first, again]))
 
 
 async def test_a_batch_of_left_padded_prompts_gives_the_same_pipelined_as_whole(
@@ -219,7 +210,11 @@ async def test_a_batch_of_left_padded_prompts_gives_the_same_pipelined_as_whole(
         seen = _tokens_run(net, ["head"])
         for pipeline in (False, True):
             async with InferenceSession(
-                _view(net), max_length=160, batch_size=2, left_padding=(0, 37), pipeline=pipeline
+                view_over(net),
+                max_length=160,
+                batch_size=2,
+                left_padding=(0, 37),
+                pipeline=pipeline,
             ) as session:
                 outputs[pipeline] = await session.step(batch)
     assert seen["head"] == [150, 75, 75]
@@ -281,12 +276,12 @@ async def test_the_swarm_views_setting_decides_where_the_session_does_not(
 ) -> None:
     """A session left at pipeline=None follows its swarm view's pipeline_prompts (the daemon's
     --pipeline-prompts): off keeps a 200-token prompt whole on a route that would chunk it."""
-    hidden = _steps(16, (200,))[0]
+    hidden = random_steps(16, (200,))[0]
     async with open_memnet() as net:
         for name, (start, end) in (("head", (0, 3)), ("tail", (3, 6))):
             net.serve(name, blocks.load_span(tiny_llama, start, end))
         seen = _tokens_run(net, ["head"])
-        view = _view(net)
+        view = view_over(net)
         for setting in (False, None):
             view.pipeline_prompts = setting
             async with InferenceSession(view, max_length=210) as session:

@@ -22,8 +22,16 @@ from peerd.node.p2p import INFERENCE_PROTOCOL, PUSH_PROTOCOL
 from peerd.node.streams import MessageStream, PeerGone
 from peerd.session.hops import HopSession
 from peerd.session.inference import InferenceSession
-from peerd.session.swarm import SwarmView
-from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet, save_tiny_llama
+from tests.memnet import (
+    TINY_BLOCKS,
+    TINY_MODEL,
+    MemNet,
+    open_memnet,
+    random_steps,
+    save_tiny_llama,
+    view_over,
+    whole_output,
+)
 from tests.numeric import assert_close_scaled
 from wire.conversation import (
     BadReply,
@@ -153,22 +161,6 @@ def whole(tiny_llama: Path) -> blocks.Span:
     return blocks.load_span(tiny_llama, 0, TINY_BLOCKS)
 
 
-def _steps(seed: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, n, HIDDEN, generator=g) for n in sizes]
-
-
-def _reference(whole: blocks.Span, steps: list[torch.Tensor]) -> torch.Tensor:
-    with torch.inference_mode():
-        return whole(torch.cat(steps, dim=1))
-
-
-def _view(net: MemNet) -> SwarmView:
-    view = SwarmView(net.node("client"), TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
-    view.records = net.records()
-    return view
-
-
 async def _push_as(net: MemNet, name: str, target: HopSession, token: str | None) -> None:
     """Push a garbage step into `target`'s session from node `name` (the server of that name
     when there is one: the same peer id), with `token`, starting at position 0 (overwriting the
@@ -208,12 +200,12 @@ async def test_the_named_upstream_without_the_token_cannot_push(
 ) -> None:
     """The previous hop's own peer id is not enough: without the session's token its push is
     refused, and the session goes on untouched (no failure, no move, the right output)."""
-    steps = _steps(7, (4, 1, 1))
-    reference = _reference(whole, steps)
+    steps = random_steps(7, (4, 1, 1))
+    reference = whole_output(whole, steps)
     async with open_memnet() as net:
         for name, (start, end) in {"head": (0, 3), "tail": (3, 6)}.items():
             net.serve(name, blocks.load_span(tiny_llama, start, end))
-        view = _view(net)
+        view = view_over(net)
         async with InferenceSession(view, max_length=16) as session:
             outputs = [await session.step(steps[0])]
             head, tail = session.hops
@@ -233,12 +225,12 @@ async def test_a_push_by_the_upstream_itself_bans_no_honest_server(
     sent overwrites the next hop's cache and draws a result the client never asked for. The
     client cannot tell which of the two lied, so it bans neither: it moves the next hop (the
     cache replayed from its own record) and relays from then on."""
-    steps = _steps(8, (4, 1, 1, 1))
-    reference = _reference(whole, steps)
+    steps = random_steps(8, (4, 1, 1, 1))
+    reference = whole_output(whole, steps)
     async with open_memnet() as net:
         for name, (start, end) in {"head": (0, 3), "tail": (3, 6)}.items():
             net.serve(name, blocks.load_span(tiny_llama, start, end))
-        view = _view(net)
+        view = view_over(net)
         async with InferenceSession(view, max_length=16) as session:
             outputs = [await session.step(steps[0])]
             tail = session.hops[1]
@@ -260,7 +252,7 @@ async def test_every_hop_gets_its_own_token_carried_by_the_next_hop_naming_it(
     async with open_memnet() as net:
         for name, (start, end) in {"head": (0, 3), "tail": (3, 6)}.items():
             net.serve(name, blocks.load_span(tiny_llama, start, end))
-        async with InferenceSession(_view(net), max_length=16) as session:
+        async with InferenceSession(view_over(net), max_length=16) as session:
             head, tail = session.hops
             assert isinstance(head, HopSession) and isinstance(tail, HopSession)
             tokens = [h.conversation.request.push_token for h in (head, tail)]
@@ -275,12 +267,12 @@ async def test_a_session_id_that_is_open_already_cannot_be_taken_over(
     """The head learns the tail's session id (next_hops). Opening its own session under that id
     (naming no upstream, so no token would be asked of its pushes) would have replaced the
     victim's session and taken the steps pushed into it: it is refused, the victim goes on."""
-    steps = _steps(9, (4, 1))
-    reference = _reference(whole, steps)
+    steps = random_steps(9, (4, 1))
+    reference = whole_output(whole, steps)
     async with open_memnet() as net:
         for name, (start, end) in {"head": (0, 3), "tail": (3, 6)}.items():
             net.serve(name, blocks.load_span(tiny_llama, start, end))
-        view = _view(net)
+        view = view_over(net)
         async with InferenceSession(view, max_length=16) as session:
             outputs = [await session.step(steps[0])]
             tail = session.hops[1]

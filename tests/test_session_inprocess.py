@@ -28,8 +28,15 @@ from peerd.server.block_server import TEST_CORRUPT_ENV
 from peerd.session import hops
 from peerd.session.generation import Generator
 from peerd.session.inference import InferenceSession
-from peerd.session.swarm import SwarmView
-from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet, save_tiny_llama
+from tests.memnet import (
+    TINY_BLOCKS,
+    MemNet,
+    open_memnet,
+    random_steps,
+    save_tiny_llama,
+    view_over,
+    whole_output,
+)
 from tests.numeric import assert_close_scaled
 from wire.conversation import ClientInference
 
@@ -47,27 +54,9 @@ def whole(tiny_llama: Path) -> blocks.Span:
     return blocks.load_span(tiny_llama, 0, TINY_BLOCKS)
 
 
-def _steps(seed: int, sizes: tuple[int, ...]) -> list[torch.Tensor]:
-    """Hidden states of a prompt then decode steps, [1, tokens, HIDDEN] each."""
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, n, HIDDEN, generator=g) for n in sizes]
-
-
-def _reference(whole: blocks.Span, steps: list[torch.Tensor]) -> torch.Tensor:
-    """The whole model's output for all those tokens as one sequence, in one pass."""
-    with torch.inference_mode():
-        return whole(torch.cat(steps, dim=1))
-
-
 def _serve(net: MemNet, path: Path, spans: dict[str, tuple[int, int]]) -> None:
     for name, (start, end) in spans.items():
         net.serve(name, blocks.load_span(path, start, end))
-
-
-def _view(net: MemNet, names: list[str] | None = None) -> SwarmView:
-    view = SwarmView(net.node("client"), TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
-    view.records = net.records(names)  # what a refresh would have found
-    return view
 
 
 def _name_of(net: MemNet, peer_id: str, names: list[str]) -> str:
@@ -77,12 +66,12 @@ def _name_of(net: MemNet, peer_id: str, names: list[str]) -> str:
 async def test_a_killed_server_is_replaced_and_its_cache_replayed(
     tiny_llama: Path, whole: blocks.Span
 ) -> None:
-    steps = _steps(0, (5, 1, 1, 1, 1, 1))
-    reference = _reference(whole, steps)
+    steps = random_steps(0, (5, 1, 1, 1, 1, 1))
+    reference = whole_output(whole, steps)
     names = ["head", "tail-1", "tail-2"]
     async with open_memnet() as net:
         _serve(net, tiny_llama, {"head": (0, 3), "tail-1": (3, 6), "tail-2": (3, 6)})
-        view = _view(net)
+        view = view_over(net)
         async with InferenceSession(view, max_length=16) as session:
             outputs = []
             for i, hidden in enumerate(steps):
@@ -114,8 +103,8 @@ async def test_a_cancelled_steps_late_reply_is_dropped_not_blamed_on_the_server(
     """Ctrl-C in `peerd chat` while the last server computes: its reply comes after the cancel.
     The next step must read its own reply, and the server must not count as failed (no other
     server holds its blocks here, so a failure would end the session)."""
-    first, cancelled, after = _steps(1, (4, 1, 2))
-    reference = _reference(whole, [first, after])
+    first, cancelled, after = random_steps(1, (4, 1, 2))
+    reference = whole_output(whole, [first, after])
     async with open_memnet() as net:
         _serve(net, tiny_llama, {"head": (0, 3), "tail": (3, 6)})
         tail = net.server("tail")
@@ -129,7 +118,7 @@ async def test_a_cancelled_steps_late_reply_is_dropped_not_blamed_on_the_server(
             return await run_step(*args, **kwargs)
 
         monkeypatch.setattr(tail, "run_step", slow_run_step)
-        view = _view(net)
+        view = view_over(net)
         async with InferenceSession(view, max_length=16) as session:
             out_first = await session.step(first)
             gate["armed"] = True
@@ -153,14 +142,14 @@ async def test_a_cancelled_steps_late_reply_is_dropped_not_blamed_on_the_server(
 async def test_a_lying_server_is_caught_banned_and_routed_around(
     tiny_llama: Path, whole: blocks.Span, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    steps = _steps(2, (6, 1, 1))
-    reference = _reference(whole, steps)
+    steps = random_steps(2, (6, 1, 1))
+    reference = whole_output(whole, steps)
     async with open_memnet() as net:
         monkeypatch.setenv(TEST_CORRUPT_ENV, "1")  # every step it answers is wrong
         _serve(net, tiny_llama, {"liar": (3, 6)})
         monkeypatch.delenv(TEST_CORRUPT_ENV)
         _serve(net, tiny_llama, {"head": (0, 3), "honest-1": (3, 6), "honest-2": (3, 6)})
-        view = _view(net, ["head", "liar"])  # the route can only go through the liar...
+        view = view_over(net, ["head", "liar"])  # the route can only go through the liar...
         async with InferenceSession(view, max_length=16, verify_fraction=1.0) as session:
             assert session.hops[1].peer_id == net.peer_id("liar")
             view.records = net.records()  # ...then the checkers appear
@@ -185,7 +174,7 @@ async def test_our_own_bug_propagates_and_bans_no_server(
 
     async with open_memnet() as net:
         _serve(net, tiny_llama, {"whole": (0, 6), "spare": (0, 6)})
-        view = _view(net)
+        view = view_over(net)
         monkeypatch.setattr(hops, "ClientInference", BuggyConversation)
         with pytest.raises(RuntimeError, match="a bug of ours"):
             async with InferenceSession(view, max_length=16):
@@ -202,13 +191,13 @@ async def test_hops_name_their_upstream_and_pushes_stop_before_a_replaced_hop(
     cannot push into it; after the middle server dies, the last hop still names the dead one, so
     the step is pushed as far as the replacement and relayed to the last hop (not pushed into a
     session that would drop it and time out)."""
-    steps = _steps(3, (5, 1, 1, 1, 1))
-    reference = _reference(whole, steps)
+    steps = random_steps(3, (5, 1, 1, 1, 1))
+    reference = whole_output(whole, steps)
     names = ["head", "mid-1", "mid-2", "tail"]
     spans = {"head": (0, 2), "mid-1": (2, 4), "mid-2": (2, 4), "tail": (4, 6)}
     async with open_memnet() as net:
         _serve(net, tiny_llama, spans)
-        view = _view(net)
+        view = view_over(net)
         async with InferenceSession(view, max_length=16) as session:
             first, middle, last = session.hops
             assert first.upstream is None
@@ -253,12 +242,12 @@ async def test_training_passes_follow_the_conversation_and_route_around_a_wrong_
             return wire.BackwardResult(grad_inputs=reply.hidden_states)
         return reply
 
-    hidden = _steps(4, (5,))[0]
-    reference = _reference(whole, [hidden])
+    hidden = random_steps(4, (5,))[0]
+    reference = whole_output(whole, [hidden])
     async with open_memnet() as net:
         _serve(net, tiny_llama, {"head": (0, 3), "confused": (3, 6), "spare": (3, 6)})
         monkeypatch.setattr(server_training, "run_training", confused_run)
-        view = _view(net, ["head", "confused"])  # the first plan can only use the confused one
+        view = view_over(net, ["head", "confused"])  # the first plan can only use the confused one
         trainer = Trainer(view)
         first_plan = trainer._plan
 
@@ -283,11 +272,11 @@ async def test_an_allowed_server_that_just_failed_is_waited_for_not_called_absen
     banned until the ban ends and a refresh finds it again. The next session naming it in
     allowed_servers waits for it, even past a refresh that did not reach it, instead of failing
     at once with "... is not in the swarm"."""
-    steps = _steps(3, (4, 1))
+    steps = random_steps(3, (4, 1))
     async with open_memnet() as net:
         # "other" is not allowed: without the tail, only it holds blocks 3:6.
         _serve(net, tiny_llama, {"head": (0, 3), "tail": (3, 6), "other": (0, 6)})
-        view = _view(net)
+        view = view_over(net)
         tail = net.peer_id("tail")
         view.report_failure(tail)
         assert tail not in view.records and view.bans.is_banned(tail, time.time())
@@ -305,7 +294,7 @@ async def test_an_allowed_server_that_just_failed_is_waited_for_not_called_absen
             outputs = [await session.step(hidden) for hidden in steps]
             assert [hop.peer_id for hop in session.hops] == [net.peer_id("head"), tail]
         assert refreshes >= 2 and session.failures == 0
-    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
+    assert_close_scaled(torch.cat(outputs, dim=1), whole_output(whole, steps))
 
 
 def _micro_batches_seen(net: MemNet, names: list[str]) -> dict[str, list[int | None]]:
@@ -329,13 +318,13 @@ async def test_a_sessions_micro_batch_reaches_every_hop_pushed_or_not(
     """The group a generation puts its session's steps in (wire.Step.micro_batch) is what every
     server's batcher merges by: the first hop has it from the client, the others from the
     server that pushes to them (and from the client again once it relays)."""
-    steps = _steps(4, (5, 1, 1))
-    reference = _reference(whole, steps)
+    steps = random_steps(4, (5, 1, 1))
+    reference = whole_output(whole, steps)
     names = ["head", "mid", "tail"]
     async with open_memnet() as net:
         _serve(net, tiny_llama, {"head": (0, 2), "mid": (2, 4), "tail": (4, 6)})
         seen = _micro_batches_seen(net, names)
-        async with InferenceSession(_view(net), max_length=16) as session:
+        async with InferenceSession(view_over(net), max_length=16) as session:
             outputs = [await session.step(steps[0])]  # ungrouped
             session.micro_batch = 1
             outputs.append(await session.step(steps[1]))
@@ -354,7 +343,7 @@ async def test_four_generations_on_cpu_servers_step_in_two_micro_batches(
     async with open_memnet() as net:
         _serve(net, tiny_llama, {"head": (0, 3), "tail": (3, 6)})
         seen = _micro_batches_seen(net, ["head", "tail"])
-        view = _view(net)
+        view = view_over(net)
         view.records = {k: dataclasses.replace(r, device=device) for k, r in view.records.items()}
         generator = Generator(blocks.load_client_side(tiny_llama), view)
 
@@ -382,12 +371,12 @@ async def test_sessions_in_two_micro_batches_fail_over_and_match_the_whole_model
     that used it replaces it and replays its cache, the groups' steps keep their tags on the
     survivor, and every session's outputs match the whole model's."""
     names = ["head", "tail-1", "tail-2"]
-    inputs = [_steps(20 + k, (5, 1, 1, 1, 1, 1)) for k in range(4)]
+    inputs = [random_steps(20 + k, (5, 1, 1, 1, 1, 1)) for k in range(4)]
     outputs: list[list[torch.Tensor]] = [[] for _ in inputs]
     async with open_memnet() as net:
         _serve(net, tiny_llama, {"head": (0, 3), "tail-1": (3, 6), "tail-2": (3, 6)})
         seen = _micro_batches_seen(net, names)
-        view = _view(net)
+        view = view_over(net)
         async with AsyncExitStack() as stack:
             sessions = [
                 await stack.enter_async_context(InferenceSession(view, max_length=16))
@@ -418,7 +407,7 @@ async def test_sessions_in_two_micro_batches_fail_over_and_match_the_whole_model
     assert seen[survivor].count(None) == len(users)
     assert sorted(g for g in seen[survivor] if g is not None) == sorted(moved + stayed)
     for k, steps in enumerate(inputs):
-        assert_close_scaled(torch.cat(outputs[k], dim=1), _reference(whole, steps))
+        assert_close_scaled(torch.cat(outputs[k], dim=1), whole_output(whole, steps))
 
 
 async def test_a_first_step_opens_the_route_and_an_early_push_waits_for_its_session(
@@ -428,7 +417,7 @@ async def test_a_first_step_opens_the_route_and_an_early_push_waits_for_its_sess
     OpenSession, and that server pushes its output on while the next hop's session is still
     opening (held back here): the next server holds the push until the session opens, then
     runs it, and the outputs match the whole model's."""
-    steps = _steps(6, (5, 1, 1))
+    steps = random_steps(6, (5, 1, 1))
     async with open_memnet() as net:
         _serve(net, tiny_llama, {"head": (0, 3), "tail": (3, 6)})
         sessions = net.server("tail").sessions
@@ -446,7 +435,7 @@ async def test_a_first_step_opens_the_route_and_an_early_push_waits_for_its_sess
 
         monkeypatch.setattr(sessions, "handle", late_handle)
         monkeypatch.setattr(sessions.pushes, "claim", counted_claim)
-        async with InferenceSession(_view(net), max_length=16, open_with_first_step=True) as s:
+        async with InferenceSession(view_over(net), max_length=16, open_with_first_step=True) as s:
             assert s.hops == []
             assert [hop.peer_id for hop in s.route] == [net.peer_id("head"), net.peer_id("tail")]
             with trio.fail_after(10):  # a push dropped by the tail would wait 60 s
@@ -454,7 +443,7 @@ async def test_a_first_step_opens_the_route_and_an_early_push_waits_for_its_sess
             assert [hop.peer_id for hop in s.hops] == [net.peer_id("head"), net.peer_id("tail")]
             assert s.failures == 0
     assert claimed == [True]
-    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
+    assert_close_scaled(torch.cat(outputs, dim=1), whole_output(whole, steps))
 
 
 async def test_an_early_push_the_next_server_dropped_is_sent_again_at_once(
@@ -464,7 +453,7 @@ async def test_an_early_push_the_next_server_dropped_is_sent_again_at_once(
     session opens there it says so (push_dropped), and the client moves the session (the same
     server, the only one with those blocks; nobody banned) and runs the step again at once,
     instead of waiting out its step timeout for a reply that cannot come."""
-    steps = _steps(8, (5, 1, 1))
+    steps = random_steps(8, (5, 1, 1))
     async with open_memnet() as net:
         _serve(net, tiny_llama, {"head": (0, 3), "tail": (3, 6)})
         sessions = net.server("tail").sessions
@@ -476,14 +465,14 @@ async def test_an_early_push_the_next_server_dropped_is_sent_again_at_once(
 
         monkeypatch.setattr(sessions, "handle", late_handle)
         monkeypatch.setattr(push, "EARLY_PUSH_BYTES", 4)  # no step is small enough to hold
-        view = _view(net)
+        view = view_over(net)
         async with InferenceSession(view, max_length=16, open_with_first_step=True) as s:
             with trio.fail_after(10):  # the dropped push would wait 60 s
                 outputs = [await s.step(hidden) for hidden in steps]
             assert [hop.peer_id for hop in s.hops] == [net.peer_id("head"), net.peer_id("tail")]
             assert s.failures == 0 and s.route_keeper.unattributed == 1
         assert all(view.bans.failures(net.peer_id(name)) == 0 for name in ("head", "tail"))
-    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
+    assert_close_scaled(torch.cat(outputs, dim=1), whole_output(whole, steps))
 
 
 async def test_a_first_step_whose_route_fails_to_open_goes_again_on_a_new_route(
@@ -492,11 +481,11 @@ async def test_a_first_step_whose_route_fails_to_open_goes_again_on_a_new_route(
     """The planned route's second server dies before the first step: the step the first hop
     started on is dropped with its session, the dead server is banned, and the step runs on a
     route around it."""
-    steps = _steps(7, (4, 1, 1))
+    steps = random_steps(7, (4, 1, 1))
     names = ["head", "tail-1", "tail-2"]
     async with open_memnet() as net:
         _serve(net, tiny_llama, {"head": (0, 3), "tail-1": (3, 6), "tail-2": (3, 6)})
-        view = _view(net)
+        view = view_over(net)
         async with InferenceSession(view, max_length=16, open_with_first_step=True) as session:
             victim = _name_of(net, session.route[1].peer_id, names)
             net.kill(victim)
@@ -505,4 +494,4 @@ async def test_a_first_step_whose_route_fails_to_open_goes_again_on_a_new_route(
             assert session.failures == 1
             assert view.bans.failures(net.peer_id(victim)) == 1
             assert session.hops[1].peer_id != net.peer_id(victim)
-    assert_close_scaled(torch.cat(outputs, dim=1), _reference(whole, steps))
+    assert_close_scaled(torch.cat(outputs, dim=1), whole_output(whole, steps))
