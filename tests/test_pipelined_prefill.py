@@ -21,6 +21,7 @@ from peerd.session.steps import PIPELINE_MAX_CHUNKS, pipeline_chunks
 from routing.planner import RouteHop
 from tests.memnet import (
     TINY_BLOCKS,
+    TINY_HIDDEN,
     MemNet,
     open_memnet,
     random_steps,
@@ -31,8 +32,6 @@ from tests.memnet import (
 from tests.numeric import assert_close_scaled
 from tests.test_max_batch_size import started_with
 from tests.test_routing_fixtures import make_record
-
-HIDDEN = 32  # the tiny llama's hidden size
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +201,7 @@ async def test_a_batch_of_left_padded_prompts_gives_the_same_pipelined_as_whole(
 ) -> None:
     """Two prompts of one batch, the second left-padded by 37 positions (its mask covers every
     chunk): pipelined, the outputs of its real tokens are those of the batch sent whole."""
-    batch = torch.randn(2, 150, HIDDEN, generator=torch.Generator().manual_seed(15))
+    batch = torch.randn(2, 150, TINY_HIDDEN, generator=torch.Generator().manual_seed(15))
     outputs = {}
     async with open_memnet() as net:
         for name, (start, end) in (("head", (0, 3)), ("tail", (3, 6))):
