@@ -59,7 +59,7 @@ def pipeline_chunks(tokens: int, route: Sequence[RouteHop], pipeline: bool | Non
     chunk 1 while hop 1 runs chunk 2, so a prompt in k chunks through n hops takes about
     (n - 1 + k) / k of one hop's pass instead of n (plus a message per chunk and hop). Servers
     that share a machine share its cores, so there chunks slow the prompt down (three daemons
-    on one 2-core machine: the first token 1.3-2x later): `pipeline` None (auto) leaves a route
+    on one 2-core machine: the first token 1.7-2.1x later): `pipeline` None (auto) leaves a route
     whole when two of its servers announce an address on the same host (a local swarm, or
     servers behind one NAT); True pipelines anyway, False never."""
     if pipeline is False or len(route) < 2:
