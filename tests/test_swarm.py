@@ -181,6 +181,52 @@ async def test_server_killed_mid_generation_is_replaced(reference) -> None:  # t
         swarm.stop()
 
 
+async def test_a_server_killed_during_a_pipelined_prompt_is_replaced(
+    local_model: Any, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 200-token prompt pipelined in 3 chunks (forced: these daemons share a host) through real
+    daemons and py-libp2p push streams. The middle server is killed once the first server has
+    answered the first chunk, so while chunks are in flight on every hop: it is banned and
+    replaced, the prompt runs again whole, and the tokens are plain transformers' greedy ones."""
+    from peerd.bench.swarm import PROMPT as LONG_PROMPT
+    from peerd.session.route import RouteKeeper
+
+    text = LONG_PROMPT + " " + LONG_PROMPT
+    ids = tokenizer(text)["input_ids"]
+    assert 160 <= len(ids) < 256  # 3 chunks of at least 64 tokens
+    expected = greedy_continuation(local_model, tokenizer, text, 8)
+    swarm = LocalSwarm()
+    try:
+        swarm.start("a", "0:10")
+        middle = {"b1": swarm.start("b1", "10:20"), "b2": swarm.start("b2", "10:20")}
+        swarm.start("c", "20:30")
+        async with open_leech("default", swarm.initial_peers, refresh_period=2.0) as leech:
+            assert await leech.swarm.wait_for(lambda snap: len(snap.records) == 4, 60)
+            killed: list[str] = []
+            remember = RouteKeeper.remember
+
+            def remembered(keeper: RouteKeeper, block: int, hidden: torch.Tensor) -> None:
+                remember(keeper, block, hidden)
+                if block == 0 and not killed:  # the first server's reply to the first chunk
+                    victim = next(h.peer_id for h in keeper.hops if h.hop.start == 10)
+                    next(d for d in middle.values() if d.peer_id == victim).kill()
+                    killed.append(victim)
+
+            monkeypatch.setattr(RouteKeeper, "remember", remembered)
+            tokens: list[int] = []
+            prompt = torch.tensor([ids])
+            async with InferenceSession(
+                leech.swarm, max_length=len(ids) + 8, pipeline=True
+            ) as session:
+                async for token in leech.generator.generate(prompt, 8, session=session):
+                    tokens.append(int(token[0, 0]))
+                assert killed and session.failures == 1
+                assert session.hops[1].peer_id != killed[0]
+        assert tokens == expected
+    finally:
+        swarm.stop()
+
+
 # A --memory-budget that fits 10 blocks of SmolLM2 with --cache-tokens 1024, not 11: a block is
 # 13.5 MiB of fp32 weights (blocks.block_bytes) and 1.5 MiB of KV cache, so 155 MiB is 10.3 blocks.
 TEN_BLOCKS_BUDGET = 155 * 2**20
