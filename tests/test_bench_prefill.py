@@ -22,3 +22,12 @@ def test_a_pipelined_prompt_through_real_daemons_gives_the_tokens_of_the_whole_o
     assert report["same_tokens"]
     for key in ("ttft_whole_s", "ttft_pipelined_s", "speedup"):
         assert math.isfinite(report[key]) and report[key] > 0, key
+
+
+def test_one_core_is_refused_before_any_daemon_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from peerd.bench import prefill
+
+    monkeypatch.setattr(prefill.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setattr(prefill, "LocalSwarm", None)  # starting one would fail loudly
+    with pytest.raises(ValueError, match="two cores"):
+        prefill.run_prefill_bench(runs=1)
