@@ -87,11 +87,15 @@ def _measure(swarm: LocalSwarm, ids: torch.Tensor, runs: int, new_tokens: int) -
 def _swarm(spans: list[str], threads: int, pinned: bool) -> LocalSwarm:
     swarm = LocalSwarm(refresh_period=30.0, torch_threads=threads, throughput="auto")
     cores = sorted(os.sched_getaffinity(0))  # the cores we may use, not always 0 and 1
-    for i, span in enumerate(spans):
-        daemon = swarm.start(f"d{i}", span, "--prefill-threads", str(threads), online=True)
-        if pinned:
-            assert daemon.process is not None
-            pin(daemon.process.pid, cores[i % len(cores)])
+    try:
+        for i, span in enumerate(spans):
+            daemon = swarm.start(f"d{i}", span, "--prefill-threads", str(threads), online=True)
+            if pinned:
+                assert daemon.process is not None
+                pin(daemon.process.pid, cores[i % len(cores)])
+    except BaseException:
+        swarm.stop()  # the daemons started so far
+        raise
     return swarm
 
 
