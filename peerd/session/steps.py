@@ -40,12 +40,12 @@ StepHook = Callable[[torch.Tensor, int], Awaitable[torch.Tensor]]
 # A pushed step of at least twice a chunk's tokens (a prompt) flows through the chain in chunks
 # of at least that many, at most PIPELINE_MAX_CHUNKS of them: the second server starts on the
 # first chunk while the first server computes the next (see pipeline_chunks). A chunk must be
-# long enough that its pass costs about its share of the whole prompt's: on a CPU a pass is
-# compute-bound from a few dozen tokens (a 252-token prompt through two servers of 15 blocks of
-# the default model, each on a core of its own: chunks of 63, 84 and 126 tokens took the first
-# token 1.16x, 1.23x and 1.19x sooner than the prompt whole); a GPU runs a pass of hundreds of
-# tokens in about the time of one, so there chunks pay only for long prompts (not measured: 512
-# is a guess).
+# long enough that its pass costs about its share of the whole prompt's, though each pass reads
+# every weight again: on a CPU from a few dozen tokens (a 252-token prompt through two servers of
+# 15 blocks of the default model, each on a core of its own: chunks of 63, 84 and 126 tokens took
+# the first token 1.16x, 1.23x and 1.19x sooner than the prompt whole); a GPU runs a pass of
+# hundreds of tokens in about the time of one, so there chunks pay only for long prompts (not
+# measured: 512 is a guess).
 PIPELINE_CHUNK_TOKENS = 64
 PIPELINE_CHUNK_TOKENS_GPU = 512
 PIPELINE_MAX_CHUNKS = 4
