@@ -6,6 +6,7 @@ equal."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 import blocks
 from peerd.devtools import localswarm
 from peerd.devtools.localswarm import LocalSwarm
+from tests.memnet import TINY_BLOCKS, save_tiny_llama
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -157,3 +159,16 @@ def greedy_continuation(model: Any, tokenizer: Any, prompt: str, new_tokens: int
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
     return [int(t) for t in out[0, ids.shape[1] :]]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random llama checkpoint (tests/memnet.py), one per module that asks for it: a
+    module may add files to it (a tokenizer) without the others seeing them."""
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_llama: Path) -> blocks.Span:
+    """Every block of the tiny llama in one span: the reference a route of servers must match."""
+    return blocks.load_span(tiny_llama, 0, TINY_BLOCKS)

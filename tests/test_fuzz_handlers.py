@@ -50,7 +50,7 @@ from peerd.server.block_server import BlockServer
 from peerd.session.generation import Generator
 from peerd.session.inference import InferenceSession
 from peerd.session.swarm import SwarmView
-from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, MemNode, open_memnet, save_tiny_llama
+from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, MemNode, open_memnet
 from tests.numeric import assert_close_scaled
 from tests.test_wire_fuzz import BYTE_MUTATIONS
 from wire.packing import MAX_ARRAY_LEN, MAX_DEPTH
@@ -67,11 +67,6 @@ MAX_FRAME = wire.DEFAULT_MAX_FRAME_SIZE
 QUIET_S = 0.05
 
 pytestmark = pytest.mark.filterwarnings("ignore::trio.TrioDeprecationWarning")
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("fuzz_handlers"))
 
 
 @pytest.fixture

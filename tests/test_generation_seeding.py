@@ -6,21 +6,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 import blocks
 import wire
 from peerd.session.generation import Generator
 from peerd.session.swarm import SwarmView
-from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet, save_tiny_llama
+from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet
 
 NEW_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("seeding"))
 
 
 async def _sampled(net: MemNet, generator: Generator, seed: int | None) -> list[int]:

@@ -22,7 +22,7 @@ import blocks
 import wire
 from peerd.node.p2p import INFERENCE_PROTOCOL, INFO_PROTOCOL, TRAINING_PROTOCOL
 from peerd.node.streams import MessageStream, PeerGone
-from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet, save_tiny_llama
+from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet
 from wire.framing import encode_frame
 from wire.packing import packb
 
@@ -241,11 +241,6 @@ def test_a_non_finite_tensor_is_refused_on_both_sides(value: float) -> None:
 
 
 # --- a real server -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("memnet"))
 
 
 @pytest.fixture

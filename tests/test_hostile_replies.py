@@ -21,11 +21,9 @@ from peerd.node.streams import MessageStream, PeerGone
 from peerd.server.block_server import BlockServer
 from peerd.session.inference import InferenceSession
 from tests.memnet import (
-    TINY_BLOCKS,
     MemNet,
     open_memnet,
     random_steps,
-    save_tiny_llama,
     stream_pair,
     view_over,
     whole_output,
@@ -82,16 +80,6 @@ TAMPERS: dict[str, Tamper] = {
         )
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("hostile"))
-
-
-@pytest.fixture(scope="module")
-def whole(tiny_llama: Path) -> blocks.Span:
-    return blocks.load_span(tiny_llama, 0, TINY_BLOCKS)
 
 
 def _serve(net: MemNet, path: Path, spans: dict[str, tuple[int, int]]) -> None:

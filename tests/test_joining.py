@@ -21,7 +21,7 @@ from peerd.node.p2p import JOINED_PROTOCOL, LEAVING_PROTOCOL, open_node
 from peerd.sdk.terminal import format_status
 from peerd.session.swarm import INFO_TIMEOUT_S, SwarmView
 from routing.records import ServerRecord, info_to_record, record_to_info
-from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet, save_tiny_llama
+from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet
 
 IPS = {4: ["198.51.100.7", "10.0.0.5"], 6: ["2001:db8::7"]}
 
@@ -97,11 +97,6 @@ async def test_who_joined_or_leaves_is_the_authenticated_peer_not_a_claim() -> N
             while len(heard) < 2:
                 await trio.sleep(0.01)
     assert heard == [(JOINED_PROTOCOL, str(a.peer_id)), (LEAVING_PROTOCOL, str(a.peer_id))]
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("joining"))
 
 
 async def test_a_join_is_checked_live_and_a_leave_keeps_the_server_out(tiny_llama: Path) -> None:

@@ -20,28 +20,16 @@ from peerd.session.inference import InferenceSession
 from peerd.session.steps import PIPELINE_MAX_CHUNKS, pipeline_chunks
 from routing.planner import RouteHop
 from tests.memnet import (
-    TINY_BLOCKS,
     TINY_HIDDEN,
     MemNet,
     open_memnet,
     random_steps,
-    save_tiny_llama,
     view_over,
     whole_output,
 )
 from tests.numeric import assert_close_scaled
 from tests.test_max_batch_size import started_with
 from tests.test_routing_fixtures import make_record
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("pipelined"))
-
-
-@pytest.fixture(scope="module")
-def whole(tiny_llama: Path) -> blocks.Span:
-    return blocks.load_span(tiny_llama, 0, TINY_BLOCKS)
 
 
 def _tokens_run(net: MemNet, names: list[str]) -> dict[str, list[int]]:

@@ -23,12 +23,10 @@ from peerd.node.streams import MessageStream, PeerGone
 from peerd.session.hops import HopSession
 from peerd.session.inference import InferenceSession
 from tests.memnet import (
-    TINY_BLOCKS,
     TINY_MODEL,
     MemNet,
     open_memnet,
     random_steps,
-    save_tiny_llama,
     view_over,
     whole_output,
 )
@@ -149,16 +147,6 @@ def test_a_reply_in_another_dtype_must_be_finite_in_the_steps_dtype() -> None:
 
 
 # --- against real servers -----------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("push_auth"))
-
-
-@pytest.fixture(scope="module")
-def whole(tiny_llama: Path) -> blocks.Span:
-    return blocks.load_span(tiny_llama, 0, TINY_BLOCKS)
 
 
 async def _push_as(net: MemNet, name: str, target: HopSession, token: str | None) -> None:

@@ -15,21 +15,10 @@ from peerd.session.inference import InferenceSession
 from peerd.session.swarm import SwarmView
 from routing.planner import plan_route
 from routing.speeds import MEASURED_SLACK
-from tests.memnet import TINY_BLOCKS, TINY_MODEL, MemNet, open_memnet, save_tiny_llama
+from tests.memnet import TINY_BLOCKS, open_memnet, view_over
 
 HIDDEN = 32  # the tiny llama's hidden size
 LIE = 1e300
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("speeds"))
-
-
-def _view(net: MemNet) -> SwarmView:
-    view = SwarmView(net.node("client"), TINY_MODEL, TINY_BLOCKS, refresh_period=60)  # type: ignore[arg-type]
-    view.records = net.records()
-    return view
 
 
 async def _generate(view: SwarmView, *, push: bool, tokens: int = 4) -> list[str]:
@@ -46,7 +35,7 @@ async def test_the_hops_whose_time_is_their_own_are_timed(tiny_llama: Path, push
     async with open_memnet() as net:
         net.serve("head", blocks.load_span(tiny_llama, 0, 3))
         net.serve("tail", blocks.load_span(tiny_llama, 3, TINY_BLOCKS))
-        view = _view(net)
+        view = view_over(net)
         head, tail = await _generate(view, push=push)
         assert head == net.peer_id("head") and tail == net.peer_id("tail")
         # The first hop always; the second only when we relayed to it ourselves (with push, the
@@ -59,7 +48,7 @@ async def test_a_server_claiming_more_than_it_ran_loses_the_route(tiny_llama: Pa
     async with open_memnet() as net:
         for name in ("honest", "liar"):
             net.serve(name, blocks.load_span(tiny_llama, 0, TINY_BLOCKS))
-        view = _view(net)
+        view = view_over(net)
         liar, honest = net.peer_id("liar"), net.peer_id("honest")
         view.records[liar] = dataclasses.replace(view.records[liar], throughput=LIE)
         # Never measured, it is believed at 4 times the median, and wins.

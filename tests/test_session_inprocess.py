@@ -29,11 +29,9 @@ from peerd.session import hops
 from peerd.session.generation import Generator
 from peerd.session.inference import InferenceSession
 from tests.memnet import (
-    TINY_BLOCKS,
     MemNet,
     open_memnet,
     random_steps,
-    save_tiny_llama,
     view_over,
     whole_output,
 )
@@ -41,17 +39,6 @@ from tests.numeric import assert_close_scaled
 from wire.conversation import ClientInference
 
 HIDDEN = 32  # the tiny llama's hidden size
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_llama(tmp_path_factory.mktemp("inprocess"))
-
-
-@pytest.fixture(scope="module")
-def whole(tiny_llama: Path) -> blocks.Span:
-    """Every block in one span: the reference a route of servers must match."""
-    return blocks.load_span(tiny_llama, 0, TINY_BLOCKS)
 
 
 def _serve(net: MemNet, path: Path, spans: dict[str, tuple[int, int]]) -> None:
