@@ -138,8 +138,9 @@ class StepRunner:
         remote = all(isinstance(hop, HopSession) for hop in hops)
         if pushing and remote and len(hops) > 1:
             chunks = self._chunks(hidden, [hop.hop for hop in hops]) if rewind is None else []
-            if len(chunks) > 1 and len(self._chain()) == len(hops):
-                i, hidden = await self._pipeline(self._chain(), chunks, None, first_position)
+            chain = self._chain()
+            if len(chunks) > 1 and len(chain) == len(hops):
+                i, hidden = await self._pipeline(chain, chunks, None, first_position)
             else:
                 # A rewind rides the push: every server passes the start position on with its
                 # output, so a rollback (speculative decoding's rejected drafts) costs no round
