@@ -1,8 +1,9 @@
 """Model families: which transformers decoder layer runs a block, how the weights are named, and
 how positions reach a layer (rotary embeddings or ALiBi). One registry, keyed by config.model_type.
 
-The layer math is transformers' own; a family only supplies what the transformers *model* class
-would have handed each layer (blocks.layer_inputs) so a span can run layers a..b on their own.
+The layer math is transformers' own (Llama-shaped layers run it through blocks.lean's leaner
+forward); a family only supplies what the transformers *model* class would have handed each
+layer (blocks.layer_inputs) so a span can run layers a..b on their own.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from transformers.models.qwen2_moe import modeling_qwen2_moe
 from transformers.models.qwen3 import modeling_qwen3
 from transformers.models.qwen3_moe import modeling_qwen3_moe
 
+from blocks import lean
 from blocks.errors import CheckpointError, UnsupportedModelError
 from blocks.layer_inputs import (
     LayerInputs,
@@ -157,7 +159,7 @@ def _layer_norm(config: PretrainedConfig) -> nn.Module:
 LLAMA = Family(
     name="llama",
     covers="Llama 2/3, SmolLM2 and other Llama-shaped models",
-    layer_class=modeling_llama.LlamaDecoderLayer,
+    layer_class=lean.LlamaLayer,
     root="model.",
     layer_prefix="layers.{}.",
     embed="embed_tokens",
@@ -287,7 +289,7 @@ def _by_kind(per_kind_rotary: bool = False) -> dict[str, Any]:
 QWEN2 = _llama_shaped(
     "qwen2",
     "Qwen2 and Qwen2.5",
-    modeling_qwen2.Qwen2DecoderLayer,
+    lean.Qwen2Layer,
     modeling_qwen2.Qwen2RMSNorm,
     modeling_qwen2.Qwen2RotaryEmbedding,
     **_by_kind(),
@@ -323,7 +325,7 @@ QWEN3_MOE = _llama_shaped(
 MISTRAL = _llama_shaped(
     "mistral",
     "Mistral 7B and other Mistral-shaped models (sliding-window attention)",
-    modeling_mistral.MistralDecoderLayer,
+    lean.MistralLayer,
     modeling_mistral.MistralRMSNorm,
     modeling_mistral.MistralRotaryEmbedding,
 )
