@@ -10,7 +10,6 @@ import wire
 from wire.conversation import (
     BadStartPosition,
     ClientInference,
-    ClientTraining,
     CloseRequested,
     LateReply,
     Opened,
@@ -20,15 +19,18 @@ from wire.conversation import (
     PushRefused,
     Refused,
     ServerInference,
-    ServerTraining,
     StepDone,
     StepOutOfOrder,
     StepRequested,
     TooManyPushed,
-    TrainingDone,
-    TrainingRequested,
     UnexpectedReply,
     WrongSession,
+)
+from wire.training_conversation import (
+    ClientTraining,
+    ServerTraining,
+    TrainingDone,
+    TrainingRequested,
 )
 
 UPSTREAM = "12D3KooWUpstream"

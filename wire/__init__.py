@@ -9,13 +9,7 @@ docs/wire.md; the tests in tests/test_wire_*.py hold it to this code.
     for msg in decoder: ...              # validated Step, CloseSession, ...; or ProtocolError
 """
 
-from wire.conversation import (
-    ClientInference,
-    ClientTraining,
-    ConversationError,
-    ServerInference,
-    ServerTraining,
-)
+from wire.conversation import ClientInference, ConversationError, ServerInference
 from wire.decoding import MessageDecoder, decode_message
 from wire.errors import (
     FrameTooLarge,
@@ -94,6 +88,7 @@ from wire.tensors import (
     round_trip_error,
     same_tensor,
 )
+from wire.training_conversation import ClientTraining, ServerTraining
 
 __all__ = [
     "CODECS",

@@ -1,5 +1,6 @@
-"""The peer conversations as sans-IO state machines, one per role: inference (with push) and
-training. Feed each message in, get an event out, or a ConversationError saying which rule broke.
+"""The inference conversation (with push) as sans-IO state machines, one per role (training's is
+wire.training_conversation). Feed each message in, get an event out, or a ConversationError
+saying which rule broke.
 
 Nothing here reads or writes: the server's handlers and the client's sessions move the messages
 and act on the events, so every ordering rule of docs/wire.md lives here, once.
@@ -47,9 +48,6 @@ Push and `upstream`: a client that pushes names, in each hop's OpenSession, the 
 carries, so no one else can push into the session. The server closes a push stream that breaks
 this without telling anyone (push streams are never answered), so the step never reaches that
 hop: after replacing a hop, push only as far as the next hop that named it, and relay the rest.
-
-Training (`ServerTraining`, `ClientTraining`): Forward -> ForwardResult, Backward ->
-BackwardResult, Error for either; one request at a time on a stream.
 """
 
 from __future__ import annotations
@@ -63,13 +61,9 @@ import torch
 from wire.errors import ProtocolError
 from wire.fields import all_finite
 from wire.peer_protocol import (
-    Backward,
-    BackwardResult,
     CloseSession,
     Error,
     ErrorCode,
-    Forward,
-    ForwardResult,
     OpenSession,
     SessionOpened,
     Step,
@@ -179,16 +173,6 @@ class Refused:
     """The server refused the request or ended the session; the conversation is over."""
 
     error: Error
-
-
-@dataclass(frozen=True)
-class TrainingRequested:
-    request: Forward | Backward
-
-
-@dataclass(frozen=True)
-class TrainingDone:
-    result: ForwardResult | BackwardResult
 
 
 ServerEvent = OpenRequested | StepRequested | CloseRequested
@@ -327,11 +311,13 @@ def same_token(expected: str, given: str | None) -> bool:
 @dataclass(frozen=True)
 class Owed:
     """A step whose reply the client waits for: its reply must have `shape` (its input's; None:
-    not checked), and is used in `dtype`."""
+    not checked), or, when it asked for `reply_last` positions (Step.reply_last), those last
+    positions only, and is used in `dtype`."""
 
     step_id: int
     shape: tuple[int, ...] | None = None
     dtype: torch.dtype | None = None
+    reply_last: int | None = None
 
 
 @dataclass
@@ -373,7 +359,9 @@ class ClientInference:
             # A server answers in order: replies to steps before this one will never come.
             self.abandoned = {s for s in self.abandoned if s > result.step_id}
             if owed.shape is not None:
-                check_step_output(result.hidden_states, owed.shape, result.step_id, owed.dtype)
+                check_step_output(
+                    result.hidden_states, owed.shape, result.step_id, owed.dtype, owed.reply_last
+                )
             return StepDone(result)
         if result.step_id in self.abandoned:
             self.abandoned.discard(result.step_id)
@@ -397,10 +385,13 @@ class ClientInference:
         shape: tuple[int, ...] | None = None,
         dtype: torch.dtype | None = None,
         queued: bool = False,
+        reply_last: int | None = None,
     ) -> None:
         """A step for this session was sent to its server (or pushed there on our behalf),
-        its input of `shape` and `dtype` (None: its reply is not checked); any earlier step
-        still unanswered is given up on, unless this one is `queued` behind them."""
+        its input of `shape` and `dtype` (None: its reply is not checked), the server to answer
+        with its output's last `reply_last` positions (a server that answers with all of them,
+        unaware of the field, is right too); any earlier step still unanswered is given up on,
+        unless this one is `queued` behind them."""
         if self.phase is not Phase.OPEN:
             raise OutOfTurn(f"cannot step a session that is {self.phase.value}")
         if step_id <= self.last_step_id:
@@ -412,7 +403,7 @@ class ClientInference:
             self.abandoned.update(owed.step_id for owed in self.owed)
             self.owed.clear()
         self.last_step_id = step_id
-        self.owed.append(Owed(step_id, shape, dtype))
+        self.owed.append(Owed(step_id, shape, dtype, reply_last))
 
     def cancelled(self, step_id: int) -> None:
         """We stopped waiting for `step_id`'s reply: it is dropped when it comes."""
@@ -434,66 +425,26 @@ class ClientInference:
 
 
 def check_step_output(
-    hidden: torch.Tensor, shape: tuple[int, ...], step_id: int, dtype: torch.dtype | None = None
+    hidden: torch.Tensor,
+    shape: tuple[int, ...],
+    step_id: int,
+    dtype: torch.dtype | None = None,
+    reply_last: int | None = None,
 ) -> None:
-    """BadReply unless `hidden` (a reply to step `step_id`) has `shape`, its input's, and only
-    finite values, also once in `dtype` (the input's: a float64 1e300 is inf in float32). The
-    schema already holds it to 3 floating dimensions."""
-    if tuple(hidden.shape) != tuple(shape):
+    """BadReply unless `hidden` (a reply to step `step_id`) has `shape`, its input's (or, with
+    `reply_last`, that of its last positions), and only finite values, also once in `dtype` (the
+    input's: a float64 1e300 is inf in float32). The schema already holds it to 3 floating
+    dimensions."""
+    shapes = [tuple(shape)]
+    if reply_last is not None and len(shape) == 3 and reply_last < shape[1]:
+        shapes.append((shape[0], reply_last, shape[2]))
+    if tuple(hidden.shape) not in shapes:
+        asked = f" or its last {reply_last} positions" if len(shapes) > 1 else ""
         raise BadReply(
             f"the reply to step {step_id} has hidden states of shape {list(hidden.shape)}; the "
-            f"step's input was {list(shape)} and a span's output has its input's shape"
+            f"step's input was {list(shape)} and a span's output has its input's shape{asked}"
         )
     if dtype is not None and hidden.dtype != dtype:
         hidden = hidden.to(dtype)
     if not all_finite(hidden):
         raise BadReply(f"the reply to step {step_id} has hidden states that are not finite")
-
-
-# --- training -----------------------------------------------------------------------------------
-
-
-@dataclass
-class ServerTraining:
-    """The server's side of a training stream: Forward and Backward requests, each answered in
-    turn. A message of another kind breaks this rule alone: answer the Error, read on."""
-
-    requests: int = 0
-
-    def receive(self, message: Message) -> TrainingRequested:
-        if not isinstance(message, Forward | Backward):
-            raise OutOfTurn(
-                "expected Forward or Backward on the training protocol, got "
-                f"{type(message).__name__}"
-            )
-        self.requests += 1
-        return TrainingRequested(message)
-
-
-@dataclass
-class ClientTraining:
-    """The client's side of a training stream: one request at a time, its reply of the kind
-    asked (ForwardResult for Forward, BackwardResult for Backward) or an Error."""
-
-    pending: Forward | Backward | None = None
-
-    def sent(self, request: Forward | Backward) -> None:
-        if self.pending is not None:
-            raise OutOfTurn(
-                f"a {type(request).__name__} sent while a {type(self.pending).__name__} waits "
-                "for its reply"
-            )
-        self.pending = request
-
-    def received(self, message: Message) -> TrainingDone | Refused:
-        pending, self.pending = self.pending, None
-        if pending is None:
-            raise UnexpectedReply(f"a {type(message).__name__} with no request waiting")
-        if isinstance(message, Error):
-            return Refused(message)
-        wanted = ForwardResult if isinstance(pending, Forward) else BackwardResult
-        if not isinstance(message, wanted):
-            raise UnexpectedReply(
-                f"a {type(pending).__name__} answered with {type(message).__name__}"
-            )
-        return TrainingDone(message)

@@ -289,6 +289,12 @@ class Step(Message):
     """When set, push the output to next_hops[0] (carrying the rest) instead of replying."""
     push_token: str | None = spec(default=None, min_len=1, max_len=MAX_PUSH_TOKEN_LEN)
     """On a pushed step: the receiving session's push token (from the NextHop naming it)."""
+    reply_last: int | None = spec(default=None, ge=1, le=MAX_SESSION_TOKENS)
+    """The client needs only the last `reply_last` positions of the route's output (a prompt's
+    next token needs one): the server that ends the chain (a step without next_hops) replies
+    with those alone, and a server pushing its output on passes this on with it. The servers
+    before the last reply whole: their outputs are the next hops' inputs, which the client
+    keeps to replay them to a replacement."""
     micro_batch: int | None = spec(default=None, ge=0, lt=MAX_MICRO_BATCHES)
     """The group of its client's concurrent sessions this step belongs to: a server merges it
     with that client's steps of the same group only (other clients' steps merge as ever), so the

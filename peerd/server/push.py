@@ -188,6 +188,7 @@ class Pusher:
             next_hops=message.next_hops[1:],
             push_token=target.push_token,  # the client gave it to us alone, for this session
             micro_batch=message.micro_batch,  # merged alike on every hop
+            reply_last=message.reply_last,  # for the chain's last server
         )
         lock = self._locks.setdefault(target.peer_id, trio.Lock())
         try:

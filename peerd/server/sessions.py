@@ -259,6 +259,8 @@ class InferenceHandler:
         pushed_on = True
         if message.next_hops:
             pushed_on = await self.pusher.push(message, output, compression)
+        elif message.reply_last is not None:  # the chain ends here: what the client asked for
+            output = output[:, -message.reply_last :]
         with trio.CancelScope(shield=True), trio.move_on_after(REPLY_WRITE_S):
             await live.messages.send(
                 wire.StepResult(

@@ -2,8 +2,8 @@
 server's blocks, each answered in turn, run on the compute queue behind any inference step.
 
 The server keeps nothing between a Forward and its Backward: the Backward recomputes the forward
-with autograd on. A request that breaks the rules (wire.conversation.ServerTraining, or this
-server's blocks and limits) gets an Error and the stream goes on.
+with autograd on. A request that breaks the rules (wire.training_conversation.ServerTraining, or
+this server's blocks and limits) gets an Error and the stream goes on.
 
 Training shares the device fairly with inference: a pass runs as slices, each one block of the
 span over a group of whole rows of at most SLICE_TOKENS tokens (attention needs a whole sequence,
@@ -31,7 +31,7 @@ from blocks import Span
 from peerd.node.streams import Idle, MessageStream, PeerGone
 from peerd.server.admission import Refused
 from peerd.server.boundary import SESSION_IDLE_TIMEOUT_S, stream_boundary
-from wire.conversation import ServerTraining
+from wire.training_conversation import ServerTraining
 
 if TYPE_CHECKING:
     from peerd.server.block_server import BlockServer

@@ -236,7 +236,7 @@ class Generator:
                     # A table look-up of a few rows: cheaper here than a hand-off to a thread.
                     hidden = self._embed(step_input)
                     session.micro_batch = self._next_tokens.group_of(me)
-                    hidden = await session.step(hidden)
+                    hidden = await session.step(hidden, keep_last=1)  # a prompt's last only
                     next_token = _NextToken(hidden[:, -1], token_ids, params, generator)
                     token = await self._next_tokens(next_token, me)
                     yield token

@@ -135,9 +135,12 @@ class HopSession:
         codec: CompressionName,
         start_position: int | None = None,
         micro_batch: int | None = None,
+        reply_last: int | None = None,
     ) -> torch.Tensor:
         step_id = next(self.step_ids)
-        await self.send_step(hidden, codec, step_id, start_position, micro_batch=micro_batch)
+        await self.send_step(
+            hidden, codec, step_id, start_position, micro_batch=micro_batch, reply_last=reply_last
+        )
         # In our dtype, whatever floating type the server chose to send.
         return (await self.receive_result(step_id)).hidden_states.to(hidden.dtype)
 
@@ -150,10 +153,12 @@ class HopSession:
         next_hops: tuple[wire.NextHop, ...] = (),
         micro_batch: int | None = None,
         queued: bool = False,
+        reply_last: int | None = None,
     ) -> None:
         """Send a step (naming `next_hops` to push it through, in the client's group of sessions
-        `micro_batch`); it is owed a reply from now, after the steps still owed if `queued`
-        (else those are given up on)."""
+        `micro_batch`, the chain's last server to answer with the last `reply_last` positions of
+        its output); it is owed a reply from now, after the steps still owed if `queued` (else
+        those are given up on)."""
         step = wire.Step(
             session_id=self.session_id,
             step_id=step_id,
@@ -161,8 +166,10 @@ class HopSession:
             start_position=start_position,
             next_hops=next_hops,
             micro_batch=micro_batch,
+            reply_last=reply_last,
         )
-        self.conversation.sent_step(step_id, tuple(hidden.shape), hidden.dtype, queued)
+        last = None if next_hops else reply_last  # the chain's last server cuts its reply
+        self.conversation.sent_step(step_id, tuple(hidden.shape), hidden.dtype, queued, last)
         # Shielded: a cancel half-way through a frame would leave the stream unreadable for
         # the server, which would then end the session as broken.
         with trio.CancelScope(shield=True):
@@ -172,11 +179,14 @@ class HopSession:
             except trio.TooSlowError as e:
                 raise PeerGone(f"{self.peer_id} took no step for {self.timeout:.0f} s") from e
 
-    def expect(self, step_id: int, like: torch.Tensor, queued: bool = False) -> None:
+    def expect(
+        self, step_id: int, like: torch.Tensor, queued: bool = False, reply_last: int | None = None
+    ) -> None:
         """A step pushed to this hop by the previous server (its input, like every hop's, of
         the shape and dtype of `like`): its reply comes on our stream (after those of the steps
-        still owed if `queued`)."""
-        self.conversation.sent_step(step_id, tuple(like.shape), like.dtype, queued)
+        still owed if `queued`), its last `reply_last` positions only if this hop ends the
+        chain of a step that asked for them."""
+        self.conversation.sent_step(step_id, tuple(like.shape), like.dtype, queued, reply_last)
 
     async def receive_result(self, step_id: int) -> wire.StepResult:
         """The reply to `step_id`, dropping late replies to steps abandoned before it; a step
@@ -239,6 +249,7 @@ class LocalHopSession:
         codec: CompressionName,
         start_position: int | None = None,
         micro_batch: int | None = None,  # our own server's steps merge with any
+        reply_last: int | None = None,  # nothing travels: the runner keeps what it needs
     ) -> torch.Tensor:
         try:
             return await self.local.step(hidden, start_position)
@@ -276,6 +287,7 @@ class FirstStep:
     hidden: torch.Tensor
     step_id: int
     micro_batch: int | None
+    reply_last: int | None = None  # wire.Step.reply_last
     sent: bool = False
 
     def carried_by(self, route: Route, requests: list[wire.OpenSession]) -> wire.Step | None:
@@ -291,7 +303,14 @@ class FirstStep:
                 next_hop(hop, request) for hop, request in zip(route[1:], requests[1:], strict=True)
             ),
             micro_batch=self.micro_batch,
+            reply_last=self.reply_last,
         )
+
+
+def last_positions(hidden: torch.Tensor, last: int | None) -> torch.Tensor:
+    """The last `last` positions of [batch, tokens, hidden] (all of them for None), as the
+    server that ends a chain answers a step with wire.Step.reply_last."""
+    return hidden if last is None else hidden[:, -last:]
 
 
 def next_hop(hop: RouteHop, request: wire.OpenSession) -> wire.NextHop:

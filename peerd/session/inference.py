@@ -171,8 +171,11 @@ class InferenceSession:
     def describe_route(self) -> str:
         return format_route(tuple(self.route))
 
-    async def step(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Run [batch, tokens, hidden] through all blocks, extending every server's cache."""
+    async def step(self, hidden: torch.Tensor, keep_last: int | None = None) -> torch.Tensor:
+        """Run [batch, tokens, hidden] through all blocks, extending every server's cache.
+        `keep_last`: return only the outputs of the last positions (a next token needs one):
+        the route's last server sends back no more, which for a long prompt saves the largest
+        reply of the step."""
         if hidden.shape[0] != self.batch_size:
             raise ValueError(
                 f"this session has batch size {self.batch_size}, got {hidden.shape[0]}"
@@ -182,9 +185,14 @@ class InferenceSession:
                 f"this step would reach {self.position + hidden.shape[1]} tokens, past the "
                 f"session's max_length of {self.max_length}"
             )
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(
+                f"keep_last must be at least 1 (or None for every position), got {keep_last}"
+            )
+        tokens = int(hidden.shape[1])
         finished = False
         try:
-            hidden = await self.runner.run(hidden, self.position, self._rewind_to)
+            hidden = await self.runner.run(hidden, self.position, self._rewind_to, keep_last)
             finished = True
         finally:
             if not finished:
@@ -193,7 +201,7 @@ class InferenceSession:
                 # dropped by step id (wire.conversation.ClientInference).
                 self.rollback(self.position)
         self._rewind_to = None
-        self.position += hidden.shape[1]
+        self.position += tokens
         return hidden
 
     def rollback(self, position: int) -> None:

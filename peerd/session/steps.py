@@ -27,15 +27,17 @@ from peerd.session.hops import (
     LeaseLapsed,
     StepRefused,
     Unattributed,
+    last_positions,
 )
 from peerd.session.route import RouteKeeper
 from routing.planner import RouteHop
 from wire.conversation import MAX_PUSHED_QUEUED
 from wire.peer_protocol import CompressionName
 
-# Called after each step with (the step's output, the position of its first token); returns the
-# output to use (a spot check that caught a liar re-runs the step and returns the honest one).
-StepHook = Callable[[torch.Tensor, int], Awaitable[torch.Tensor]]
+# Called after each step with (the step's output, the position of its first token, the position
+# after its last); returns the output to use (a spot check that caught a liar re-runs the step and
+# returns the honest one). The output may be the last positions only (StepRunner.run's keep_last).
+StepHook = Callable[[torch.Tensor, int, int], Awaitable[torch.Tensor]]
 
 # A pushed step of at least twice a chunk's tokens (a prompt) flows through the chain in chunks
 # of at least that many, at most PIPELINE_MAX_CHUNKS of them: the second server starts on the
@@ -109,13 +111,21 @@ class StepRunner:
         # The group of the client's concurrent sessions the next steps belong to
         # (wire.Step.micro_batch; set by the generation that runs them); None: merged with any.
         self.micro_batch: int | None = None
+        self.keep_last: int | None = None  # of the step under way (run's keep_last)
 
     async def run(
-        self, hidden: torch.Tensor, first_position: int, rewind: int | None
+        self,
+        hidden: torch.Tensor,
+        first_position: int,
+        rewind: int | None,
+        keep_last: int | None = None,
     ) -> torch.Tensor:
         """Run [batch, tokens, hidden] starting at `first_position` through every hop; with
         `rewind`, every hop is told where the tokens start (rolling back what it holds past
-        it)."""
+        it). `keep_last`: return the output's last positions only, and have the route's last
+        server send only those back (wire.Step.reply_last)."""
+        self.keep_last = keep_last
+        end_position = first_position + int(hidden.shape[1])
         i = 0
         pushing = self.push and self.route.pushing
         if self.route.deferred:  # the session's first step opens its route
@@ -123,14 +133,17 @@ class StepRunner:
             chunks: list[torch.Tensor] = []
             if pushing and rewind is None:
                 chunks = self._chunks(hidden, self.route.planned)
-                first = FirstStep(chunks[0], next(self.route.step_ids), self.micro_batch)
+                step_id = next(self.route.step_ids)
+                first = FirstStep(chunks[0], step_id, self.micro_batch, self._reply_last(chunks))
             await self.route.open_with(first)
             if first is not None and first.sent:  # every hop is remote then
                 carried = [hop for hop in self.route.hops if isinstance(hop, HopSession)]
                 if len(chunks) > 1:
                     i, hidden = await self._pipeline(carried, chunks, first.step_id, first_position)
                 else:
-                    i, hidden = await self._collect(carried, first.step_id, hidden, None)
+                    i, hidden = await self._collect(
+                        carried, first.step_id, hidden, None, first.reply_last
+                    )
                 if i < len(self.route.hops):
                     rewind = first_position  # (as below)
                 pushing = False  # done: relay from the break, if it broke
@@ -153,8 +166,15 @@ class StepRunner:
                 rewind = first_position
         hidden = await self.relay(i, hidden, rewind)
         for hook in self.hooks:
-            hidden = await hook(hidden, first_position)
-        return hidden
+            hidden = await hook(hidden, first_position, end_position)
+        return last_positions(hidden, keep_last)
+
+    def _reply_last(self, chunks: Sequence[torch.Tensor]) -> int | None:
+        """The step's reply_last for a chain that covers the whole route, the step sent as
+        `chunks`: keep_last, where the last chunk holds that many positions (each chunk's reply
+        is then cut alike, and the last one's holds them all)."""
+        keep = self.keep_last
+        return keep if keep is not None and keep <= chunks[-1].shape[1] else None
 
     async def relay(self, i: int, hidden: torch.Tensor, rewind: int | None) -> torch.Tensor:
         """Client-relayed: each hop from `i` on in turn (all of them without push, or from
@@ -163,8 +183,9 @@ class StepRunner:
         while i < len(hops):
             hop = hops[i]
             sent = time.perf_counter()
+            last = self.keep_last if i == len(hops) - 1 else None
             try:
-                output = await hop.step(hidden, self.codec, rewind, self.micro_batch)
+                output = await hop.step(hidden, self.codec, rewind, self.micro_batch, last)
             except PEER_FAULTS as e:
                 await self.route.replace(i, e)
                 continue  # the replacement hops start at the same block: retry with `hidden`
@@ -187,14 +208,22 @@ class StepRunner:
         hops = self._chain()
         step_id = next(self.route.step_ids)
         chain = tuple(hop.as_next_hop() for hop in hops[1:])
+        # Cut only where the chain ends the route: else its last output is a relayed hop's input.
+        last = self._reply_last([hidden]) if len(hops) == len(self.route.hops) else None
         sent = time.perf_counter()
         try:
             await hops[0].send_step(
-                hidden, self.codec, step_id, rewind, next_hops=chain, micro_batch=self.micro_batch
+                hidden,
+                self.codec,
+                step_id,
+                rewind,
+                next_hops=chain,
+                micro_batch=self.micro_batch,
+                reply_last=last,
             )
         except PEER_FAULTS:
             return 0, hidden  # the relay loop retries hop 0 and replaces it if it is gone
-        return await self._collect(hops, step_id, hidden, sent)
+        return await self._collect(hops, step_id, hidden, sent, last)
 
     def _chain(self) -> list[HopSession]:
         """The remote hops a push from the first one reaches: up to the first hop that takes
@@ -229,15 +258,17 @@ class StepRunner:
             carried if c == 0 and carried is not None else next(self.route.step_ids)
             for c in range(len(chunks))
         ]
-        for hop in hops[1:]:
+        last = self._reply_last(chunks)
+        for k, hop in enumerate(hops[1:], start=1):
+            cut = last if k == len(hops) - 1 else None
             for c, chunk in enumerate(chunks):
-                hop.expect(ids[c], chunk, queued=c > 0)
+                hop.expect(ids[c], chunk, queued=c > 0, reply_last=cut)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._send_chunks, hops, chunks, ids, carried is not None)
+            nursery.start_soon(self._send_chunks, hops, chunks, ids, carried is not None, last)
             outputs, failed = await self._collect_chunks(hops, chunks, ids)
             nursery.cancel_scope.cancel()
-        if failed is None:
-            return len(hops), torch.cat(outputs, dim=1)
+        if failed is None:  # with reply_last, the last chunk's reply holds the positions kept
+            return len(hops), outputs[-1] if last is not None else torch.cat(outputs, dim=1)
         # Start over from the first hop, whole. Hops may hold any number of the chunks: the
         # step relayed next starts every cache at first_position, and pushed chunks still on
         # their way are stale there (their ids come before its).
@@ -248,7 +279,12 @@ class StepRunner:
         return 0, torch.cat(chunks, dim=1)
 
     async def _send_chunks(
-        self, hops: Sequence[HopSession], chunks: list[torch.Tensor], ids: list[int], carried: bool
+        self,
+        hops: Sequence[HopSession],
+        chunks: list[torch.Tensor],
+        ids: list[int],
+        carried: bool,
+        reply_last: int | None,
     ) -> None:
         """Send the chunks (but a `carried` first one) to the first hop, each queued behind the
         last, naming the rest of `hops` to push them through; stop at a broken stream (the
@@ -265,6 +301,7 @@ class StepRunner:
                     next_hops=chain,
                     micro_batch=self.micro_batch,
                     queued=c > 0,
+                    reply_last=reply_last,
                 )
             except PEER_FAULTS:
                 return
@@ -293,14 +330,20 @@ class StepRunner:
         return outputs, None
 
     async def _collect(
-        self, hops: Sequence[HopSession], step_id: int, hidden: torch.Tensor, sent: float | None
+        self,
+        hops: Sequence[HopSession],
+        step_id: int,
+        hidden: torch.Tensor,
+        sent: float | None,
+        reply_last: int | None = None,
     ) -> tuple[int, torch.Tensor]:
         """Every hop's reply to step `step_id`, sent to the first of `hops` (at `sent`; None:
         with its OpenSession, so not timed) and pushed through the rest: (first hop not done,
-        its input)."""
-        for hop in hops[1:]:
-            # Their replies to the pushed step come on their streams, shaped as its input.
-            hop.expect(step_id, hidden)
+        its input; the output if all are done, its last `reply_last` positions only)."""
+        for k, hop in enumerate(hops[1:], start=1):
+            # Their replies to the pushed step come on their streams, shaped as its input (the
+            # last one's cut to what the step asked for).
+            hop.expect(step_id, hidden, reply_last=reply_last if k == len(hops) - 1 else None)
         for i, hop in enumerate(hops):
             try:
                 result = await hop.receive_result(step_id)

@@ -36,7 +36,8 @@ from peerd.session.hops import OPEN_TIMEOUT_S, PEER_FAULTS, dial
 from peerd.session.route import MAX_HOP_FAILURES, ROUTE_WAIT_S, InferenceFailed
 from peerd.session.swarm import SwarmView
 from routing.planner import NoRouteError, RouteHop, format_route, route_hops
-from wire.conversation import ClientTraining, Refused
+from wire.conversation import Refused
+from wire.training_conversation import ClientTraining
 
 log = logging.getLogger(__name__)
 

@@ -324,8 +324,9 @@ class SpotChecks:
         self.route = route
         self.relay = relay
 
-    async def __call__(self, output: torch.Tensor, first_position: int) -> torch.Tensor:
-        end_position = first_position + output.shape[1]
+    async def __call__(
+        self, output: torch.Tensor, first_position: int, end_position: int
+    ) -> torch.Tensor:
         hops, inputs = self.route.hops, self.route.inputs  # replace() edits both in place
         i = 0
         while i < len(hops):
