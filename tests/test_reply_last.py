@@ -74,6 +74,9 @@ async def test_the_last_server_sends_back_only_the_positions_kept(
                 token = await session.step(steps[1], keep_last=1)
                 three = await session.step(steps[2], keep_last=3)
             assert session.position == 135 and session.failures == 0
+            with pytest.raises(ValueError, match="keep_last"):
+                await session.step(steps[1], keep_last=0)
+            assert session.position == 135
     assert prompt.shape == (1, 1, steps[0].shape[2])
     assert_close_scaled(prompt, expected[:, 129:130])
     assert_close_scaled(token, expected[:, 130:131])
