@@ -6,6 +6,7 @@ right."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -98,16 +99,7 @@ async def test_a_server_that_ignores_reply_last_and_answers_whole_is_not_blamed(
     process = InferenceHandler._process
 
     async def unaware(self: InferenceHandler, live: Any, message: wire.Step, **kw: Any) -> None:
-        message = wire.Step(
-            session_id=message.session_id,
-            step_id=message.step_id,
-            hidden_states=message.hidden_states,
-            start_position=message.start_position,
-            next_hops=message.next_hops,
-            push_token=message.push_token,
-            micro_batch=message.micro_batch,
-        )
-        await process(self, live, message, **kw)
+        await process(self, live, _with_reply_last(message, None), **kw)
 
     monkeypatch.setattr(InferenceHandler, "_process", unaware)
     async with open_memnet() as net:
@@ -154,17 +146,8 @@ async def test_a_reply_of_some_other_length_is_a_bad_reply(
     assert out.shape[1] == 1
 
 
-def _with_reply_last(message: wire.Step, last: int) -> wire.Step:
-    return wire.Step(
-        session_id=message.session_id,
-        step_id=message.step_id,
-        hidden_states=message.hidden_states,
-        start_position=message.start_position,
-        next_hops=message.next_hops,
-        push_token=message.push_token,
-        micro_batch=message.micro_batch,
-        reply_last=last,
-    )
+def _with_reply_last(message: wire.Step, last: int | None) -> wire.Step:
+    return dataclasses.replace(message, reply_last=last)
 
 
 async def test_a_lying_last_server_is_caught_on_the_positions_it_sent(
