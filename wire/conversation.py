@@ -40,8 +40,9 @@ to a step never sent is UnexpectedReply (the server is confused or lying) when n
 into the session; when its `upstream` may, it is Unsolicited: that upstream (or the server) ran
 a step we never sent, which nothing on our side can pin on either, so the client blames neither
 and stops trusting the session's cache. A StepDone's hidden states have the shape of the step's
-input (every span maps [batch, tokens, hidden] to the same shape) and are finite; anything else
-is BadReply.
+input (every span maps [batch, tokens, hidden] to the same shape), or hold its last positions
+only where the step asked the chain's last server for them (Step.reply_last), and are finite;
+anything else is BadReply.
 
 Push and `upstream`: a client that pushes names, in each hop's OpenSession, the hop before it as
 `upstream`, and draws a fresh `push_token` for it that only the NextHop naming the session
