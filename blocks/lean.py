@@ -53,7 +53,8 @@ def _attend(
 ) -> torch.Tensor:
     """Scaled dot-product attention as transformers' sdpa integration runs it: grouped keys and
     values shared by sdpa itself where no mask is given (a query of one token, or a whole prompt
-    from position 0, causal), repeated to every query head where one is."""
+    from position 0, causal); with a mask, a one-token query's heads packed per key head, and
+    longer queries' keys and values repeated to every query head."""
     dropout = attn.attention_dropout if attn.training else 0.0
     groups = attn.num_key_value_groups
     if mask is None:
@@ -61,6 +62,15 @@ def _attend(
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout, is_causal=causal, scale=attn.scaling, enable_gqa=groups > 1
         )
+    if groups > 1 and q.shape[2] == 1 and mask.shape[1] == 1:
+        # One query a row (merged decode steps): each key head's query heads as its queries,
+        # so keys and values are read once, not copied per query head.
+        batch, heads, _, width = q.shape
+        packed = q.reshape(batch, heads // groups, groups, width)
+        out = F.scaled_dot_product_attention(
+            packed, k, v, attn_mask=mask, dropout_p=dropout, scale=attn.scaling
+        )
+        return out.reshape(batch, heads, 1, width)
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
