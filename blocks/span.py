@@ -327,16 +327,21 @@ class _RowsKV:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if len(self.parts) == 1:
             return self.parts[0][0].update(key, value, layer_idx)
-        all_keys = key.new_zeros(key.shape[0], key.shape[1], self.keys, key.shape[3])
-        all_values = value.new_zeros(value.shape[0], value.shape[1], self.keys, value.shape[3])
+        all_keys = key.new_empty(key.shape[0], key.shape[1], self.keys, key.shape[3])
+        all_values = value.new_empty(value.shape[0], value.shape[1], self.keys, value.shape[3])
         row = 0
         for kv, rows, tokens in self.parts:
             end = row + rows
             keys, values = kv.update(
                 key[row:end, :, :tokens], value[row:end, :, :tokens], layer_idx
             )
-            all_keys[row:end, :, : keys.shape[2]] = keys
-            all_values[row:end, :, : values.shape[2]] = values
+            filled = keys.shape[2]
+            all_keys[row:end, :, :filled] = keys
+            all_values[row:end, :, :filled] = values
+            # Zeros past a row's keys: masked out, but a stray NaN there would still reach the
+            # output through a zero attention weight (0 * NaN).
+            all_keys[row:end, :, filled:] = 0
+            all_values[row:end, :, filled:] = 0
             row = end
         return all_keys, all_values
 
