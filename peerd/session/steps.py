@@ -259,10 +259,8 @@ class StepRunner:
             for c in range(len(chunks))
         ]
         last = self._reply_last(chunks)
-        for k, hop in enumerate(hops[1:], start=1):
-            cut = last if k == len(hops) - 1 else None
-            for c, chunk in enumerate(chunks):
-                hop.expect(ids[c], chunk, queued=c > 0, reply_last=cut)
+        for c, chunk in enumerate(chunks):
+            _expect_pushed(hops, ids[c], chunk, last, queued=c > 0)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._send_chunks, hops, chunks, ids, carried is not None, last)
             outputs, failed = await self._collect_chunks(hops, chunks, ids)
@@ -340,10 +338,7 @@ class StepRunner:
         """Every hop's reply to step `step_id`, sent to the first of `hops` (at `sent`; None:
         with its OpenSession, so not timed) and pushed through the rest: (first hop not done,
         its input; the output if all are done, its last `reply_last` positions only)."""
-        for k, hop in enumerate(hops[1:], start=1):
-            # Their replies to the pushed step come on their streams, shaped as its input (the
-            # last one's cut to what the step asked for).
-            hop.expect(step_id, hidden, reply_last=reply_last if k == len(hops) - 1 else None)
+        _expect_pushed(hops, step_id, hidden, reply_last)
         for i, hop in enumerate(hops):
             try:
                 result = await hop.receive_result(step_id)
@@ -358,6 +353,21 @@ class StepRunner:
             if result.push_failed and i + 1 < len(hops):
                 return i + 1, hidden
         return len(hops), hidden
+
+
+def _expect_pushed(
+    hops: Sequence[HopSession],
+    step_id: int,
+    like: torch.Tensor,
+    reply_last: int | None,
+    queued: bool = False,
+) -> None:
+    """The hops after the first owe a reply to step `step_id`, pushed to them: on their own
+    streams, shaped as its input `like`, the last one's cut to the step's `reply_last`."""
+    for k, hop in enumerate(hops[1:], start=1):
+        hop.expect(
+            step_id, like, queued=queued, reply_last=reply_last if k == len(hops) - 1 else None
+        )
 
 
 def _pushed_fault(error: Exception) -> Exception:

@@ -200,11 +200,11 @@ class StepVerifier:
             start, end, history, exclude={hop.peer_id, verifier}
         )
         tokens = claimed.shape[1]
-        if referee_output is not None:  # it ran the whole history: the claimed positions only
-            referee_output = referee_output[:, -tokens:]
         if referee_output is None:
             liars = [hop.peer_id, verifier]
         else:
+            # It ran the whole history: its claimed positions only.
+            referee_output = referee_output[:, -tokens:]
             honest_claim = excess(referee_output, claimed, self.codec) <= 0
             honest_verifier = excess(referee_output, verified, self.codec) <= 0
             liars = [
