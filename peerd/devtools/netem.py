@@ -90,8 +90,8 @@ def _fine_timer_slack() -> None:
 
 def _realtime_priority() -> None:
     """Run at a real-time priority (SCHED_FIFO, low), so the daemons computing on the same cores
-    do not make us late: a network's delay does not wait for its hosts' CPUs. During `bench wan`
-    on the 2-core development machine the verdicts came 0.18-0.33 ms late on average (p99
+    do not make us late: a network's delay does not wait for its hosts' CPUs. In one `bench wan`
+    run each on the 2-core development machine, the verdicts came 0.18-0.33 ms late on average (p99
     2.1-3.6 ms) at the normal priority and 0.08-0.12 ms (p99 0.7-1.5 ms) at this one. The process
     blocks in select between packets, so it takes the cores only for its few microseconds per
     packet (and the kernel's real-time throttling caps it anyway). Best effort: without the
