@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 from blocks import skinny, threads
 from blocks.cache import KVCache, SpanSession
 from blocks.checkpoint import CheckpointTensors, load_config, model_name, resolve_checkpoint
+from blocks.compiled import CompiledDecode, compile_span
 from blocks.families import Family, RowMasks, family_of, prepare_config
 from blocks.lora import AdapterError, AdapterInfo, attach_adapter, read_adapter, use_adapter
 from blocks.quant import held_bytes, quantize_linears
@@ -44,6 +45,7 @@ class Span(nn.Module):
         self.rotary = rotary
         self.chunk_tokens = PREFILL_CHUNK_TOKENS
         self.adapters = adapters  # LoRA adapters a forward may name (blocks.lora)
+        self.compiled: CompiledDecode | None = None  # compile_decode's, once it ran
 
     @property
     def skinny_rows(self) -> frozenset[int]:
@@ -103,11 +105,18 @@ class Span(nn.Module):
         layers = list(self.layers)[start - self.start : end - self.start]
         return Span(self.config, self.family, start, layers, self.rotary, self.model, self.adapters)
 
+    def compile_decode(self) -> bool:
+        """Compile this span's one-token decode step (blocks.compiled), if it can run compiled
+        here; True if it will."""
+        self.compiled = compile_span(self)
+        return self.compiled is not None
+
     def add_adapter(self, adapter: AdapterInfo) -> None:
         """Load the LoRA matrices of this span's blocks from `adapter` and offer it by name."""
         if adapter.name in self.adapters:
             raise AdapterError(f"this span already has an adapter named {adapter.name!r}")
         attach_adapter(list(self.layers), self.start, adapter, self.family)
+        self.compiled = None  # the graph has no adapters in it
         self.adapters = (*self.adapters, adapter.name)
 
     def forward(
@@ -287,6 +296,10 @@ class Span(nn.Module):
     ) -> torch.Tensor:
         threads.apply(hidden.shape[0] * hidden.shape[1])  # prefill wants more cores than decode
         inputs = self.family.layer_inputs(self.config, self.rotary, hidden, past_length)
+        if self.compiled is not None and kv is not None and prompts is None:
+            output = self.compiled(hidden, kv, inputs)
+            if output is not None:
+                return output
         cache = {self.family.cache_kwarg: kv}
         for index, layer in enumerate(self.layers):
             if prompts is not None:

@@ -5,6 +5,7 @@ equal."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,10 @@ import blocks
 from peerd.devtools import localswarm
 from peerd.devtools.localswarm import LocalSwarm
 from tests.memnet import TINY_BLOCKS, save_tiny_llama
+
+# The daemons tests start do not compile their decode steps (`peerd start --compile`, ~20 s per
+# daemon on a 2-core machine); tests/test_compiled_decode.py covers compiling.
+os.environ["PEERD_COMPILE"] = "0"
 
 
 @pytest.fixture(scope="session", autouse=True)

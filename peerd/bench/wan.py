@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -76,8 +77,9 @@ def run_on_emulated_wan(
 
 
 def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
-    """Seconds one decode token spends in each span (measured here, one torch thread as the
-    servers use) and in the client's own part (embedding, final norm, LM head)."""
+    """Seconds one decode token spends in each span (measured here as the servers run it: one
+    torch thread, the decode step compiled where theirs is) and in the client's own part
+    (embedding, final norm, LM head)."""
     import torch
 
     import blocks
@@ -87,6 +89,8 @@ def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
     spans = []
     for start, end in SPANS:
         span = blocks.load_span(checkpoint, start, end, torch.float32, "cpu")
+        if servers_compile():
+            span.compile_decode()
         spans.append(1.0 / blocks.measure_throughput(span, use_disk_cache=False).decode_tps)
         del span
     ids = torch.tensor([[42]])
@@ -97,6 +101,20 @@ def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
             client_side.logits(client_side.embed(ids))
             times.append(time.perf_counter() - started)
     return spans, statistics.median(times)
+
+
+def servers_compile() -> bool:
+    """Whether the servers started here compile their decode steps: `peerd start --compile`,
+    the default, unless PEERD_COMPILE turns it off (as click reads a flag's variable)."""
+    return os.environ.get("PEERD_COMPILE", "1").strip().lower() not in (
+        "0",
+        "false",
+        "f",
+        "no",
+        "n",
+        "off",
+        "",
+    )
 
 
 def _tcp_rtt(addrs: list[Any], tries: int = 7) -> float:

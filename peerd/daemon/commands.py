@@ -130,6 +130,13 @@ PIPELINE_PROMPTS = typer.Option(
     "before computes the next: auto (when no two servers share a host), on, off. "
     "docs/swarm.md#pipelined-prompts",
 )
+COMPILE = typer.Option(
+    True,
+    "--compile/--no-compile",
+    envvar="PEERD_COMPILE",
+    help="Compile the span's one-token decode step on a CPU (torch.compile: ~20 s at start, "
+    "needs g++; faster decode), where it can run. docs/blocks.md#compiled-decode-steps",
+)
 PRIORITY = typer.Option(
     "standing",
     help="When loaded, serve first: standing (peers that serve this model, takers keep 20%) "
@@ -163,6 +170,7 @@ def start(
     verify_fraction: float = VERIFY_FRACTION,
     pipeline_prompts: str = PIPELINE_PROMPTS,
     batching: bool = BATCHING,
+    compile: bool = COMPILE,
     max_batch_size: int = MAX_BATCH_SIZE,
     device: str = DEVICE,
     dtype: str = DTYPE,

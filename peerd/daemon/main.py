@@ -22,8 +22,7 @@ from peerd.daemon.contributions import watch_standing
 from peerd.daemon.local_api import LocalApi, build_status
 from peerd.daemon.logs import configure_logging as configure_logging
 from peerd.daemon.models import ModelSetupError, SwarmModels, known_checkpoints
-from peerd.daemon.startup import EXPECTED_FAILURES, claim_machine, set_up_threads
-from peerd.node import compute_thread
+from peerd.daemon.startup import EXPECTED_FAILURES, claim_machine, load_serving_span, set_up_threads
 from peerd.node.p2p import (
     INFERENCE_PROTOCOL,
     INFO_PROTOCOL,
@@ -101,6 +100,7 @@ class DaemonConfig:
     verify_fraction: float = 0.0  # spot-check this fraction of our sessions' steps (session.verify)
     pipeline_prompts: bool | None = None  # long prompts in chunks (session.steps; None: auto)
     batching: bool = True  # merge concurrent steps of different sessions into one forward
+    compile: bool = False  # compile a CPU span's decode step (blocks.compiled; on in peerd start)
     priority: str = "standing"  # who goes first when loaded: standing or fifo (server.priority)
     # What peers are told to dial (peerd.node.addresses): replaces our addresses / goes first.
     announce_maddrs: list[str] = field(default_factory=list)
@@ -340,9 +340,9 @@ class Daemon:
 
     async def _load_and_go_online(self, start: int, end: int) -> None:
         assert self.server is not None
-        s = self.config.serving
-        span = await compute_thread.run(
-            blocks.load_span, self.checkpoint, start, end, s.dtype, s.device, self.adapters, s.quant
+        config = self.config
+        span = await load_serving_span(
+            self.checkpoint, (start, end), config.serving, self.adapters, config.compile
         )
         cache = blocks.MemoryCache(budget_tokens=self.config.cache_tokens)
         throughput = await self._throughput(span)

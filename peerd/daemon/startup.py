@@ -138,3 +138,21 @@ def set_up_threads(torch_threads: int | None, prefill_threads: int | None) -> No
     cores = torch.get_num_threads()
     blocks.threads.configure(torch_threads or cores, prefill_threads)
     compute_thread.quiet_event_loop_thread()
+
+
+async def load_serving_span(
+    checkpoint: Path,
+    span: tuple[int, int],
+    serving: blocks.Serving,
+    adapters: list[blocks.AdapterInfo],
+    compile_decode: bool,
+) -> blocks.Span:
+    """The blocks `span` of `checkpoint` as a server serves them, loaded on the compute thread;
+    with `compile_decode` (`--compile`), their decode step compiled there too, where it can be
+    (blocks.compiled), before the server measures its throughput."""
+    loaded = await compute_thread.run(
+        blocks.load_span, checkpoint, *span, serving.dtype, serving.device, adapters, serving.quant
+    )
+    if compile_decode:
+        await compute_thread.run(loaded.compile_decode)
+    return loaded

@@ -1,0 +1,198 @@
+"""blocks.compiled: a span's one-token decode steps as one compiled graph give what the eager
+forward gives, step after step through the session's cache (which the graph writes), for any
+session length and room; what it cannot run (a masked step, the last slot, prompts, merged
+steps, a failed guard) runs eager; spans it cannot compile say why and serve eager."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, MistralConfig, PretrainedConfig, Qwen3Config
+from transformers.models.llama import modeling_llama
+from transformers.models.mistral import modeling_mistral
+from transformers.models.qwen3 import modeling_qwen3
+
+from blocks import compiled, lean
+from blocks.cache import MemoryCache
+from blocks.families import FAMILIES, prepare_config
+from blocks.span import Span
+from tests.numeric import assert_close_scaled
+
+SHAPE = {"hidden_size": 48, "num_attention_heads": 6, "intermediate_size": 80}
+
+
+def _span(config: PretrainedConfig, family: str, layer: type[nn.Module], rotary: Any) -> Span:
+    """Blocks 2..4 of a random model (from block 2: the graph's cache index is the layer's
+    index less the span's start)."""
+    prepare_config(config, FAMILIES[family])
+    torch.manual_seed(0)
+    layers = [layer(config, layer_idx=i) for i in range(2, 5)]
+    for module in layers:
+        for p in module.parameters():  # large enough that a wrong position shows
+            nn.init.normal_(p, std=0.2)
+    return Span(config, FAMILIES[family], 2, layers, rotary(config), "tiny").eval()
+
+
+@pytest.fixture(scope="module")
+def llama() -> Iterator[Span]:
+    span = _span(
+        LlamaConfig(**SHAPE, num_key_value_heads=2, attention_bias=True),
+        "llama",
+        lean.LlamaLayer,
+        modeling_llama.LlamaRotaryEmbedding,
+    )
+    why = compiled.unsupported(span)
+    if why is not None:
+        pytest.skip(why)
+    assert span.compile_decode()
+    yield span
+
+
+def _steps(span: Span, max_length: int, prompt: int, seed: int) -> list[torch.Tensor]:
+    """The outputs of a session's prompt and then one-token steps up to its max_length. Every
+    other step's input is made outside inference mode, as a server's decoded inputs are."""
+    generator = torch.Generator().manual_seed(seed)
+    cache = MemoryCache(budget_tokens=4096)
+    width = span.config.hidden_size
+    with cache.open_session(1, max_length) as session:
+        outputs = [span(torch.randn(1, prompt, width, generator=generator), session)]
+        for step in range(max_length - prompt):
+            with torch.inference_mode(step % 2 == 0):
+                hidden = torch.randn(1, 1, width, generator=generator)
+            outputs.append(span(hidden, session))
+    return outputs
+
+
+def _compare(span: Span, max_length: int, prompt: int) -> int:
+    """Steps compiled against the same steps eager; how many ran compiled."""
+    graph = span.compiled
+    assert graph is not None
+    ran = 0
+    step = graph._step
+
+    def counted(*args: Any) -> torch.Tensor:
+        nonlocal ran
+        ran += 1
+        return step(*args)
+
+    graph._step = counted
+    try:
+        ours = _steps(span, max_length, prompt, seed=max_length)
+    finally:
+        graph._step = step
+    span.compiled = None
+    try:
+        eager = _steps(span, max_length, prompt, seed=max_length)
+    finally:
+        span.compiled = graph
+    for got, want in zip(ours, eager, strict=True):
+        assert_close_scaled(got, want)
+    return ran
+
+
+def test_compiled_steps_match_eager_for_any_length_and_room(llama: Span) -> None:
+    graph = llama.compiled
+    assert graph is not None
+    # Rooms and prompts the warm-up never saw: one graph serves them all (no guard fails).
+    for max_length, prompt in ((12, 3), (40, 17), (7, 2)):
+        ran = _compare(llama, max_length, prompt)
+        # Every one-token step but the last slot's (and none with under 2 positions cached).
+        assert ran == max_length - prompt - 1
+    assert graph.failures == 0
+
+
+def test_first_steps_and_prompts_run_eager(llama: Span) -> None:
+    # A one-token prompt, then a step at position 1: neither holds 2 positions before it.
+    assert _compare(llama, 6, 1) == 6 - 1 - 2
+
+
+def test_a_failed_compiled_step_runs_eager_and_three_stop_it(llama: Span) -> None:
+    graph = llama.compiled
+    assert graph is not None
+    step = graph._step
+
+    def broken(*args: Any) -> torch.Tensor:
+        raise RuntimeError("Detected recompile when torch.compile stance is 'fail_on_recompile'")
+
+    graph._step = broken
+    llama.compiled = None
+    eager = _steps(llama, 10, 3, seed=5)
+    llama.compiled = graph
+    try:
+        ours = _steps(llama, 10, 3, seed=5)
+        assert graph.failures == compiled.MAX_FAILURES  # then it stopped trying
+    finally:
+        graph._step = step
+        graph.failures = 0
+    for got, want in zip(ours, eager, strict=True):
+        assert_close_scaled(got, want)
+
+
+def test_a_masked_step_runs_eager() -> None:
+    """A sliding window (Mistral's): steps past the window need a mask, which the graph does
+    not take, and run eager; those before it run compiled."""
+    span = _span(
+        MistralConfig(**SHAPE, num_key_value_heads=3, sliding_window=6),
+        "mistral",
+        lean.MistralLayer,
+        modeling_mistral.MistralRotaryEmbedding,
+    )
+    why = compiled.unsupported(span)
+    if why is not None:
+        pytest.skip(why)
+    assert span.compile_decode()
+    ran = _compare(span, 14, 3)
+    assert 0 < ran < 14 - 3 - 1
+    assert span.compiled is not None and span.compiled.failures == 0
+
+
+def test_spans_it_cannot_run_say_why_and_serve_eager(llama: Span) -> None:
+    qwen3 = _span(
+        Qwen3Config(**SHAPE, num_key_value_heads=2, head_dim=8),
+        "qwen3",
+        modeling_qwen3.Qwen3DecoderLayer,
+        modeling_qwen3.Qwen3RotaryEmbedding,
+    )
+    assert "no lean forward" in (compiled.unsupported(qwen3) or "")
+    assert not qwen3.compile_decode() and qwen3.compiled is None
+    assert len(_steps(qwen3, 6, 2, seed=0)) == 5
+    # A sub-span (a route using part of a server's blocks) runs eager: the graph is the span's.
+    part = llama.sub_span(3, 5)
+    assert part.compiled is None
+    assert len(_steps(part, 6, 2, seed=0)) == 5
+    # LoRA adapters are not in the graph: a span that takes one drops it.
+    tiny = _span(
+        LlamaConfig(**SHAPE, num_key_value_heads=2),
+        "llama",
+        lean.LlamaLayer,
+        modeling_llama.LlamaRotaryEmbedding,
+    )
+    tiny.adapters = ("someone/adapter",)
+    assert "LoRA" in (compiled.unsupported(tiny) or "")
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "expected"),
+    [
+        ([], None, True),  # peerd start compiles by default
+        (["--no-compile"], None, False),
+        ([], "0", False),  # as the tests' daemons run (tests/conftest.py)
+        (["--compile"], "0", True),  # a flag beats the environment
+    ],
+)
+def test_the_flag_reaches_the_daemon_config(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], env: str | None, expected: bool
+) -> None:
+    from tests.test_max_batch_size import started_with
+
+    if env is None:
+        monkeypatch.delenv("PEERD_COMPILE", raising=False)
+    else:
+        monkeypatch.setenv("PEERD_COMPILE", env)
+    result, configs = started_with(monkeypatch, *flags)
+    assert result.exit_code == 0, result.output
+    assert configs[0].compile is expected
