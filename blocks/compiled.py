@@ -1,23 +1,27 @@
-"""A span's one-token decode step as one compiled graph (torch.compile, inductor), on CPU.
+"""A span's passes as compiled graphs (torch.compile, inductor), on CPU: a session's one-token
+decode steps, and the first pass of its prompt.
 
 An eager decode step of a small model is mostly dispatch: a 10-block one-token pass of the
 default model runs ~1,100 torch operations, and on the 2-core development machine (2026-12-06,
 two torch threads) its 70 matrix products took 7.2-7.4 ms of its 10.8-11.9. Compiled whole, the
-norms, rotary positions, cache writes and residual adds fuse into a few C++ kernels around the
-same products: the same pass took 8.6-8.9 ms against 10.8-11.0 eager (outputs within float
-rounding).
+norms, rotary positions, attention, cache writes and residual adds fuse into a few C++ kernels
+around the same products (inductor calls the same BLAS for them): the step took 8.6-8.9 ms
+against 10.8-11.0 eager, and an 84-token prompt 39-41 ms against 44-49 (outputs within float
+rounding). Merged steps of several sessions were tried too and gained nothing: their 4-row
+products are most of their time on this CPU (docs/blocks.md#compiled-passes).
 
 What is compiled is the span's own layers' lean forward (blocks.lean), called with a cache view
-that writes the step's keys and values at a position the graph takes as an input. Shapes are
-dynamic (the session's cache length and its max_length), so one compilation serves every session
-and position; it runs once when a server loads its span (~20 s on two cores, a few with
-inductor's on-disk cache warm) and needs a C++ compiler. Only spans that can run it are
-compiled: CPU, unquantized, no LoRA adapters, layers of a lean family with one kind of attention.
-A step runs compiled when it is one token of an unpadded single-sequence session whose cache
-holds 2 or more positions and has room for 2 more, and whose layers need no mask; everything else
-(prompts, merged steps of several sessions, a session's first and last step) runs eager as
-before. A compiled step that would need compiling again (a guard failed) runs eager instead:
-serving never stalls on a compilation.
+that writes the pass's keys and values at a position the graph takes as an input. Shapes are
+dynamic (the session's cache length and its max_length, the prompt's length), so one compilation
+of each graph serves every session and position; both compile when a server loads its span
+(~20-40 s on two cores, less with inductor's on-disk cache warm) and need a C++ compiler. Only
+spans that can run them are compiled: CPU, unquantized, no LoRA adapters, layers of a lean family
+with one kind of attention. A pass of a single-sequence session whose layers need no mask runs
+compiled when it is one token with 2 or more positions cached, or a prompt of at least
+blocks.threads.PREFILL_ROWS tokens from position 0, and leaves the cache room for 1 more;
+everything else (merged steps of several sessions, short prompts, later chunks of a long one, the
+last slot) runs eager as before. A pass that would need compiling again (a guard failed) runs
+eager instead: serving never stalls on a compilation.
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ log = logging.getLogger(__name__)
 
 # Failed compiled calls (each then ran eager) after which a span stops trying.
 MAX_FAILURES = 3
-# The warm-up's cache: positions held and room. Neither may be 0 or 1 (torch specializes those)
-# nor equal to any size of the model (torch would take them for that one, fixed): primes.
+# The warm-up's cache: positions held, room, and the prompt's tokens. None may be 0 or 1 (torch
+# specializes those) nor equal to any size of the model (torch would take them for that one,
+# fixed), nor the prompt fewer than a prefill's rows (blocks.threads): primes.
 WARM_LENGTH = 251
 WARM_ROOM = 509
+WARM_PROMPT = 83
 
 
 class _StepCache:
@@ -61,6 +67,13 @@ class _StepCache:
         return self.keys[i][:, :, :end], self.values[i][:, :, :end]
 
 
+def kv_shape(config: Any) -> tuple[int, int]:
+    """(key heads, head width) of a Llama-shaped model's layers."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    width = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return int(heads), int(width)
+
+
 def unsupported(span: Any) -> str | None:
     """Why `span` (a blocks.Span) cannot run compiled decode steps here; None if it can."""
     if span.device.type != "cpu":
@@ -78,13 +91,15 @@ def unsupported(span: Any) -> str | None:
     return None
 
 
-class CompiledDecode:
+class CompiledPasses:
     """The compiled one-token step of a span; `__call__` gives None where the step must run
     eager (see the module's docstring)."""
 
     def __init__(self, span: Any) -> None:
         self.layers = list(span.layers)
         self.first = span.start
+        self.kv_heads, self.head_dim = kv_shape(span.config)
+        self.prompts = False  # whether the prompts' graph compiled (warm_up)
         self.failures = 0
         self._step: Callable[..., torch.Tensor] = torch.compile(
             self._run, dynamic=True, fullgraph=True
@@ -104,39 +119,54 @@ class CompiledDecode:
             hidden = layer(hidden, position_embeddings=(cos, sin), cache=cache)
         return hidden
 
-    def warm_up(self, hidden_size: int, rotary: Any, kv_shape: tuple[int, int]) -> float:
-        """Compile now, on a scratch cache; returns the seconds it took."""
+    def warm_up(self, hidden_size: int, rotary: Any, tokens: int) -> float:
+        """Compile the graph of a step (`tokens` 1) or of a prompt (WARM_PROMPT) now, on a
+        scratch cache, with the thread count its passes run with (the kernels keep it); returns
+        the seconds it took."""
         started = time.perf_counter()
-        heads, width = kv_shape
         dtype = next(self.layers[0].parameters()).dtype
+        length = WARM_LENGTH if tokens == 1 else 0
+        threads.apply(tokens)
         # Made in inference mode, as a session's caches are: the graph is guarded on it.
         with torch.inference_mode():
-            keys = [torch.zeros(1, heads, WARM_ROOM, width, dtype=dtype) for _ in self.layers]
+            room = (1, self.kv_heads, WARM_ROOM, self.head_dim)
+            keys = [torch.zeros(room, dtype=dtype) for _ in self.layers]
             values = [torch.zeros_like(k) for k in keys]
             for buffer in (*keys, *values):
                 torch._dynamo.mark_dynamic(buffer, 2)  # any session's max_length
-            hidden = torch.zeros(1, 1, hidden_size, dtype=dtype)
-            cos, sin = rotary(hidden, torch.tensor([[WARM_LENGTH]]))
-            self._step(hidden, cos, sin, keys, values, WARM_LENGTH)
+            hidden = torch.zeros(1, tokens, hidden_size, dtype=dtype)
+            if tokens > 1:
+                torch._dynamo.mark_dynamic(hidden, 1)  # any prompt's length
+            cos, sin = rotary(hidden, torch.arange(length, length + tokens)[None])
+            self._step(hidden, cos, sin, keys, values, length)
+        if tokens > 1:
+            self.prompts = True
         return time.perf_counter() - started
 
     def __call__(
         self, hidden: torch.Tensor, kv: KVCache, inputs: dict[str, Any]
     ) -> torch.Tensor | None:
         keys, values = kv.keys, kv.values
+        tokens = hidden.shape[1]
+        step = tokens == 1 and kv.length >= 2 and all(t is not None for t in (*keys, *values))
+        prompt = self.prompts and tokens >= threads.PREFILL_ROWS and kv.length == 0
         if (
             self.failures >= MAX_FAILURES
-            or hidden.shape[:2] != (1, 1)
-            or kv.length < 2
+            or hidden.shape[0] != 1
+            or not (step or prompt)
             or inputs.get("attention_mask") is not None
-            or any(t is None for t in keys)
-            or any(t is None for t in values)
-            or kv.length + 1 >= kv.max_length  # the last slot: the graph is for ones before it
+            or kv.length + tokens >= kv.max_length  # the last slot: the graphs are for before it
         ):
             return None
+        if prompt:  # the session's first pass: its caches are made here, as the layers would
+            like = hidden.new_zeros(1, self.kv_heads, kv.max_length, self.head_dim)
+            keys[:] = [torch.zeros_like(like) for _ in keys]
+            values[:] = [torch.zeros_like(like) for _ in values]
         cos, sin = inputs["position_embeddings"]
-        if not hidden.is_inference():  # a server's decoded input: the graph takes inference
-            hidden = hidden.clone()  # tensors, as a session's caches are (it is guarded on it)
+        # The graphs take inference tensors, as a session's caches are, and dense ones (they are
+        # guarded on both): a server's decoded input is neither, a long prompt's chunk not dense.
+        if not hidden.is_inference() or not hidden.is_contiguous():
+            hidden = hidden.clone(memory_format=torch.contiguous_format)
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
                 return self._step(hidden, cos, sin, keys, values, kv.length)
@@ -151,28 +181,30 @@ class CompiledDecode:
             return None
 
 
-def compile_span(span: Any) -> CompiledDecode | None:
-    """A CompiledDecode of `span`, compiled and warm; None (logged) where it cannot run here or
-    its compilation failed."""
+def compile_span(span: Any) -> CompiledPasses | None:
+    """A CompiledPasses of `span`, its graphs compiled and warm; None (logged) where it cannot
+    run here or its decode steps' graph failed to compile (a prompts' graph that fails leaves
+    prompts eager)."""
+    where = f"blocks {span.start}:{span.end}"
     why = unsupported(span)
     if why is not None:
-        log.info("decode steps of blocks %d:%d run eager: %s", span.start, span.end, why)
+        log.info("passes of %s run eager: %s", where, why)
         return None
-    compiled = CompiledDecode(span)
-    config = span.config
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    width = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    threads.apply(1)  # the kernels take the thread count of the steps they will run
-    try:
-        seconds = compiled.warm_up(config.hidden_size, span.rotary, (heads, width))
-    except Exception as e:  # no working compiler, an unsupported op: eager it is
-        log.warning(
-            "decode steps of blocks %d:%d run eager: compiling them failed (%s: %s)",
-            span.start,
-            span.end,
-            type(e).__name__,
-            str(e).splitlines()[0] if str(e) else "",
-        )
-        return None
-    log.info("decode steps of blocks %d:%d compiled in %.1f s", span.start, span.end, seconds)
+    compiled = CompiledPasses(span)
+    seconds = 0.0
+    for tokens, what in ((1, "decode steps"), (WARM_PROMPT, "prompts")):
+        try:
+            seconds += compiled.warm_up(span.config.hidden_size, span.rotary, tokens)
+        except Exception as e:  # no working compiler, an unsupported op: eager it is
+            first_line = str(e).splitlines()[0] if str(e) else ""
+            log.warning(
+                "%s of %s run eager: compiling them failed (%s: %s)",
+                what,
+                where,
+                type(e).__name__,
+                first_line,
+            )
+            if tokens == 1:
+                return None
+    log.info("passes of %s compiled in %.1f s", where, seconds)
     return compiled

@@ -58,7 +58,9 @@ def _attend(
     dropout = attn.attention_dropout if attn.training else 0.0
     groups = attn.num_key_value_groups
     if mask is None:
-        causal = q.shape[2] > 1
+        causal = False
+        if q.shape[2] > 1:  # (a branch: sdpa takes a bool, not a compiled graph's symbolic one)
+            causal = True
         return F.scaled_dot_product_attention(
             q, k, v, dropout_p=dropout, is_causal=causal, scale=attn.scaling, enable_gqa=groups > 1
         )

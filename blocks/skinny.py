@@ -51,7 +51,9 @@ class SkinnyLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         width = x.shape[-1]
         rows = x.numel() // width if width else 0
-        if rows not in self.skinny_rows or torch.is_grad_enabled():
+        # `rows > ROWS[-1]` first: a compiled prompt's graph (blocks.compiled), whose rows are
+        # any count, then never asks the set, which would fix them to one count.
+        if rows > ROWS[-1] or rows not in self.skinny_rows or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
         out = columns_product(self.weight, x.reshape(rows, width))
         if self.bias is not None:

@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 from blocks import skinny, threads
 from blocks.cache import KVCache, SpanSession
 from blocks.checkpoint import CheckpointTensors, load_config, model_name, resolve_checkpoint
-from blocks.compiled import CompiledDecode, compile_span
+from blocks.compiled import CompiledPasses, compile_span
 from blocks.families import Family, RowMasks, family_of, prepare_config
 from blocks.lora import AdapterError, AdapterInfo, attach_adapter, read_adapter, use_adapter
 from blocks.quant import held_bytes, quantize_linears
@@ -45,7 +45,7 @@ class Span(nn.Module):
         self.rotary = rotary
         self.chunk_tokens = PREFILL_CHUNK_TOKENS
         self.adapters = adapters  # LoRA adapters a forward may name (blocks.lora)
-        self.compiled: CompiledDecode | None = None  # compile_decode's, once it ran
+        self.compiled: CompiledPasses | None = None  # compile_passes's, once it ran
 
     @property
     def skinny_rows(self) -> frozenset[int]:
@@ -105,7 +105,7 @@ class Span(nn.Module):
         layers = list(self.layers)[start - self.start : end - self.start]
         return Span(self.config, self.family, start, layers, self.rotary, self.model, self.adapters)
 
-    def compile_decode(self) -> bool:
+    def compile_passes(self) -> bool:
         """Compile this span's one-token decode step (blocks.compiled), if it can run compiled
         here; True if it will."""
         self.compiled = compile_span(self)

@@ -16,10 +16,10 @@ from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen3 import modeling_qwen3
 
-from blocks import compiled, lean
+from blocks import compiled, lean, threads
 from blocks.cache import MemoryCache
 from blocks.families import FAMILIES, prepare_config
-from blocks.span import Span
+from blocks.span import PREFILL_CHUNK_TOKENS, Span
 from tests.numeric import assert_close_scaled
 
 SHAPE = {"hidden_size": 48, "num_attention_heads": 6, "intermediate_size": 80}
@@ -48,7 +48,7 @@ def llama() -> Iterator[Span]:
     why = compiled.unsupported(span)
     if why is not None:
         pytest.skip(why)
-    assert span.compile_decode()
+    assert span.compile_passes()
     yield span
 
 
@@ -96,18 +96,28 @@ def _compare(span: Span, max_length: int, prompt: int) -> int:
 
 def test_compiled_steps_match_eager_for_any_length_and_room(llama: Span) -> None:
     graph = llama.compiled
-    assert graph is not None
+    assert graph is not None and graph.prompts
     # Rooms and prompts the warm-up never saw: one graph serves them all (no guard fails).
-    for max_length, prompt in ((12, 3), (40, 17), (7, 2)):
+    for max_length, prompt in ((12, 3), (40, 17), (7, 2), (60, 33)):
         ran = _compare(llama, max_length, prompt)
-        # Every one-token step but the last slot's (and none with under 2 positions cached).
-        assert ran == max_length - prompt - 1
+        # Every one-token step but the last slot's (and none with under 2 positions cached),
+        # and prompts of a prefill's rows.
+        assert ran == max_length - prompt - 1 + (prompt >= threads.PREFILL_ROWS)
     assert graph.failures == 0
 
 
-def test_first_steps_and_prompts_run_eager(llama: Span) -> None:
+def test_first_steps_short_and_later_prompts_run_eager(llama: Span) -> None:
     # A one-token prompt, then a step at position 1: neither holds 2 positions before it.
     assert _compare(llama, 6, 1) == 6 - 1 - 2
+    # A prompt that fills the cache (the last slot) runs eager.
+    assert _compare(llama, 17, 17) == 0
+    # A long prompt in chunks: the first, from position 0, compiled; the others eager.
+    llama.chunk_tokens = 20
+    try:
+        assert _compare(llama, 50, 45) == 1 + 50 - 45 - 1
+    finally:
+        llama.chunk_tokens = PREFILL_CHUNK_TOKENS
+    assert llama.compiled is not None and llama.compiled.failures == 0
 
 
 def test_a_failed_compiled_step_runs_eager_and_three_stop_it(llama: Span) -> None:
@@ -144,7 +154,7 @@ def test_a_masked_step_runs_eager() -> None:
     why = compiled.unsupported(span)
     if why is not None:
         pytest.skip(why)
-    assert span.compile_decode()
+    assert span.compile_passes()
     ran = _compare(span, 14, 3)
     assert 0 < ran < 14 - 3 - 1
     assert span.compiled is not None and span.compiled.failures == 0
@@ -158,7 +168,7 @@ def test_spans_it_cannot_run_say_why_and_serve_eager(llama: Span) -> None:
         modeling_qwen3.Qwen3RotaryEmbedding,
     )
     assert "no lean forward" in (compiled.unsupported(qwen3) or "")
-    assert not qwen3.compile_decode() and qwen3.compiled is None
+    assert not qwen3.compile_passes() and qwen3.compiled is None
     assert len(_steps(qwen3, 6, 2, seed=0)) == 5
     # A sub-span (a route using part of a server's blocks) runs eager: the graph is the span's.
     part = llama.sub_span(3, 5)
