@@ -90,7 +90,7 @@ def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
     for start, end in SPANS:
         span = blocks.load_span(checkpoint, start, end, torch.float32, "cpu")
         if servers_compile():
-            span.compile_decode()
+            span.compile_passes()
         spans.append(1.0 / blocks.measure_throughput(span, use_disk_cache=False).decode_tps)
         del span
     ids = torch.tensor([[42]])

@@ -145,14 +145,14 @@ async def load_serving_span(
     span: tuple[int, int],
     serving: blocks.Serving,
     adapters: list[blocks.AdapterInfo],
-    compile_decode: bool,
+    compile_passes: bool,
 ) -> blocks.Span:
     """The blocks `span` of `checkpoint` as a server serves them, loaded on the compute thread;
-    with `compile_decode` (`--compile`), their decode step compiled there too, where it can be
+    with `compile_passes` (`--compile`), their decode step compiled there too, where it can be
     (blocks.compiled), before the server measures its throughput."""
     loaded = await compute_thread.run(
         blocks.load_span, checkpoint, *span, serving.dtype, serving.device, adapters, serving.quant
     )
-    if compile_decode:
-        await compute_thread.run(loaded.compile_decode)
+    if compile_passes:
+        await compute_thread.run(loaded.compile_passes)
     return loaded
