@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -101,9 +102,14 @@ class CompiledPasses:
         self.kv_heads, self.head_dim = kv_shape(span.config)
         self.prompts = False  # whether the prompts' graph compiled (warm_up)
         self.failures = 0
-        self._step: Callable[..., torch.Tensor] = torch.compile(
-            self._run, dynamic=True, fullgraph=True
-        )
+        # torch keeps compiled graphs with the code they came from, at most 8 per code object
+        # (torch._dynamo.config.recompile_limit), and each span's are 2 of them: with a code
+        # object of its own, a span's graphs are its own and go with it (a server that moves
+        # compiles its new span; a process may hold several).
+        run = types.FunctionType(
+            type(self)._run.__code__.replace(), globals(), "_run", None, None
+        ).__get__(self)
+        self._step: Callable[..., torch.Tensor] = torch.compile(run, dynamic=True, fullgraph=True)
 
     def _run(
         self,

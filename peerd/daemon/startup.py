@@ -148,8 +148,8 @@ async def load_serving_span(
     compile_passes: bool,
 ) -> blocks.Span:
     """The blocks `span` of `checkpoint` as a server serves them, loaded on the compute thread;
-    with `compile_passes` (`--compile`), their decode step compiled there too, where it can be
-    (blocks.compiled), before the server measures its throughput."""
+    with `compile_passes` (`--compile`), their decode steps and prompts compiled there too,
+    where they can be (blocks.compiled), before the server measures its throughput."""
     loaded = await compute_thread.run(
         blocks.load_span, checkpoint, *span, serving.dtype, serving.device, adapters, serving.quant
     )
