@@ -76,9 +76,9 @@ def kv_shape(config: Any) -> tuple[int, int]:
 
 
 def unsupported(span: Any) -> str | None:
-    """Why `span` (a blocks.Span) cannot run compiled decode steps here; None if it can."""
+    """Why `span` (a blocks.Span) cannot run compiled passes here; None if it can."""
     if span.device.type != "cpu":
-        return "compiled decode steps are for CPU spans"
+        return "compiled passes are for CPU spans"
     if span.quant != "none":
         return f"its weights are quantized ({span.quant})"
     if span.adapters:
@@ -93,8 +93,8 @@ def unsupported(span: Any) -> str | None:
 
 
 class CompiledPasses:
-    """The compiled one-token step of a span; `__call__` gives None where the step must run
-    eager (see the module's docstring)."""
+    """A span's compiled passes (a session's one-token steps, its prompt's first pass):
+    `__call__` runs one, or gives None where it must run eager (see the module's docstring)."""
 
     def __init__(self, span: Any) -> None:
         self.layers = list(span.layers)
@@ -176,13 +176,13 @@ class CompiledPasses:
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
                 return self._step(hidden, cos, sin, keys, values, kv.length)
-        except Exception as e:  # a guard failed (or worse): this step runs eager
+        except Exception as e:  # a guard failed (or worse): this pass runs eager
             self.failures += 1
             log.warning(
-                "compiled decode step failed (%s: %s); ran eager%s",
+                "a compiled pass failed (%s: %s); it ran eager%s",
                 type(e).__name__,
                 str(e).splitlines()[0] if str(e) else "",
-                "" if self.failures < MAX_FAILURES else ", and every later step will",
+                "" if self.failures < MAX_FAILURES else ", and every later one will",
             )
             return None
 

@@ -20,7 +20,8 @@ def run_demo(
     swarm = LocalSwarm(refresh_period=5.0)
     try:
         for i, span in enumerate(spans):
-            daemon = swarm.start(f"server{i}", span)
+            # One prompt: compiling each span's passes (seconds per daemon) would not pay back.
+            daemon = swarm.start(f"server{i}", span, "--no-compile")
             print(f"started server {i}: blocks {span}, peer {daemon.peer_id}", file=sys.stderr)
 
         async def ask() -> str:
