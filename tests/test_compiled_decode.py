@@ -42,19 +42,25 @@ def _span(config: PretrainedConfig, family: str, layer: type[nn.Module], rotary:
     return Span(config, FAMILIES[family], 2, layers, rotary(config), "tiny").eval()
 
 
-@pytest.fixture(scope="module")
-def llama() -> Iterator[Span]:
-    span = _span(
-        LlamaConfig(**SHAPE, num_key_value_heads=2, attention_bias=True),
-        "llama",
-        lean.LlamaLayer,
-        modeling_llama.LlamaRotaryEmbedding,
-    )
+def _compiled(span: Span) -> Span:
+    """`span` with its passes compiled (the test skipped where this machine cannot)."""
     why = compiled.unsupported(span)
     if why is not None:
         pytest.skip(why)
-    assert span.compile_passes()
-    yield span
+    assert span.compile_passes() and span.compiled is not None and span.compiled.prompts
+    return span
+
+
+@pytest.fixture(scope="module")
+def llama() -> Iterator[Span]:
+    yield _compiled(
+        _span(
+            LlamaConfig(**SHAPE, num_key_value_heads=2, attention_bias=True),
+            "llama",
+            lean.LlamaLayer,
+            modeling_llama.LlamaRotaryEmbedding,
+        )
+    )
 
 
 def _steps(span: Span, max_length: int, prompt: int, seed: int) -> list[torch.Tensor]:
@@ -103,7 +109,7 @@ def test_compiled_steps_match_eager_for_any_length_and_room(llama: Span) -> None
     graph = llama.compiled
     assert graph is not None and graph.prompts
     # Rooms and prompts the warm-up never saw: one graph serves them all (no guard fails).
-    for max_length, prompt in ((12, 3), (40, 17), (7, 2), (60, 33)):
+    for max_length, prompt in ((12, 3), (40, 17), (7, 2), (60, 33), (19, 18)):
         ran = _compare(llama, max_length, prompt)
         # Every one-token step but the last slot's (and none with under 2 positions cached),
         # and prompts of a prefill's rows.
@@ -150,16 +156,14 @@ def test_a_failed_compiled_step_runs_eager_and_three_stop_it(llama: Span) -> Non
 def test_a_masked_step_runs_eager() -> None:
     """A sliding window (Mistral's): steps past the window need a mask, which the graph does
     not take, and run eager; those before it run compiled."""
-    span = _span(
-        MistralConfig(**SHAPE, num_key_value_heads=3, sliding_window=6),
-        "mistral",
-        lean.MistralLayer,
-        modeling_mistral.MistralRotaryEmbedding,
+    span = _compiled(
+        _span(
+            MistralConfig(**SHAPE, num_key_value_heads=3, sliding_window=6),
+            "mistral",
+            lean.MistralLayer,
+            modeling_mistral.MistralRotaryEmbedding,
+        )
     )
-    why = compiled.unsupported(span)
-    if why is not None:
-        pytest.skip(why)
-    assert span.compile_passes()
     ran = _compare(span, 14, 3)
     assert 0 < ran < 14 - 3 - 1
     assert span.compiled is not None and span.compiled.failures == 0
@@ -224,11 +228,8 @@ async def test_servers_with_compiled_spans_give_the_whole_models_outputs(
     calls = {name: 0 for name in names}
     spans = []
     for name, (start, end) in zip(names, ((0, 2), (2, 4), (4, 6)), strict=True):
-        span = blocks.load_span(tiny_llama, start, end)
-        why = compiled.unsupported(span)
-        if why is not None:
-            pytest.skip(why)
-        assert span.compile_passes() and span.compiled is not None and span.compiled.prompts
+        span = _compiled(blocks.load_span(tiny_llama, start, end))
+        assert span.compiled is not None
         step = span.compiled._step
 
         def counted(*args: Any, name: str = name, step: Any = step) -> torch.Tensor:
