@@ -106,8 +106,8 @@ class Span(nn.Module):
         return Span(self.config, self.family, start, layers, self.rotary, self.model, self.adapters)
 
     def compile_passes(self) -> bool:
-        """Compile this span's one-token decode step (blocks.compiled), if it can run compiled
-        here; True if it will."""
+        """Compile this span's decode steps and prompts' first passes (blocks.compiled), if it
+        can run them compiled here; True if it will."""
         self.compiled = compile_span(self)
         return self.compiled is not None
 

@@ -98,7 +98,7 @@ def _step_function(span: Span, client: ClientSide | None) -> Callable[[int, Span
 def _record_path(span: Span, client: ClientSide | None, cache_dir: Path) -> Path:
     what = "model" if client is not None else "span"
     key = f"{span.model}_{what}_{span.start}-{span.end}_{span.device}_{span.dtype}_{span.quant}"
-    if span.compiled is not None:  # its decode steps run compiled (blocks.compiled)
+    if span.compiled is not None:  # its passes run compiled (blocks.compiled)
         key += "_compiled"
     return cache_dir / (re.sub(r"[^A-Za-z0-9._-]+", "-", key) + ".json")
 

@@ -78,7 +78,7 @@ def run_on_emulated_wan(
 
 def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
     """Seconds one decode token spends in each span (measured here as the servers run it: one
-    torch thread, the decode step compiled where theirs is) and in the client's own part
+    torch thread, the passes compiled where theirs are) and in the client's own part
     (embedding, final norm, LM head)."""
     import torch
 
@@ -104,7 +104,7 @@ def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
 
 
 def servers_compile() -> bool:
-    """Whether the servers started here compile their decode steps: `peerd start --compile`,
+    """Whether the servers started here compile their passes: `peerd start --compile`,
     the default, unless PEERD_COMPILE turns it off (as click reads a flag's variable)."""
     return os.environ.get("PEERD_COMPILE", "1").strip().lower() not in (
         "0",

@@ -134,8 +134,9 @@ COMPILE = typer.Option(
     True,
     "--compile/--no-compile",
     envvar="PEERD_COMPILE",
-    help="Compile the span's one-token decode step on a CPU (torch.compile: ~20 s at start, "
-    "needs g++; faster decode), where it can run. docs/blocks.md#compiled-decode-steps",
+    help="Compile the span's decode steps and prompts' first passes on a CPU (torch.compile: "
+    "10-20 s at start, needs g++; faster passes), where they can run. "
+    "docs/blocks.md#compiled-passes",
 )
 PRIORITY = typer.Option(
     "standing",

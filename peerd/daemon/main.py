@@ -100,7 +100,7 @@ class DaemonConfig:
     verify_fraction: float = 0.0  # spot-check this fraction of our sessions' steps (session.verify)
     pipeline_prompts: bool | None = None  # long prompts in chunks (session.steps; None: auto)
     batching: bool = True  # merge concurrent steps of different sessions into one forward
-    compile: bool = False  # compile a CPU span's decode step (blocks.compiled; on in peerd start)
+    compile: bool = False  # compile a CPU span's passes (blocks.compiled; on in peerd start)
     priority: str = "standing"  # who goes first when loaded: standing or fifo (server.priority)
     # What peers are told to dial (peerd.node.addresses): replaces our addresses / goes first.
     announce_maddrs: list[str] = field(default_factory=list)
