@@ -14,7 +14,7 @@ What is compiled is the span's own layers' lean forward (blocks.lean), called wi
 that writes the pass's keys and values at a position the graph takes as an input. Shapes are
 dynamic (the session's cache length and its max_length, the prompt's length), so one compilation
 of each graph serves every session and position; both compile when a server loads its span
-(~20-40 s on two cores, less with inductor's on-disk cache warm) and need a C++ compiler. Only
+(10-20 s on two cores, less with inductor's on-disk cache warm) and need a C++ compiler. Only
 spans that can run them are compiled: CPU, unquantized, no LoRA adapters, layers of a lean family
 with one kind of attention. A pass of a single-sequence session whose layers need no mask runs
 compiled when it is one token with 2 or more positions cached, or a prompt of at least
