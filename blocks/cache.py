@@ -41,14 +41,22 @@ class KVCache:
             keys = key.new_zeros(batch, heads, self.max_length, width)
             values = value.new_zeros(batch, value.shape[1], self.max_length, value.shape[-1])
             self.keys[i], self.values[i] = keys, values
-        end = self.length + key.shape[-2]
-        keys[:, :, self.length : end] = key
-        values[:, :, self.length : end] = value
-        return keys[:, :, :end], values[:, :, :end]
+        return write_step(keys, values, key, value, self.length)
 
     def nbytes(self) -> int:
         tensors = [t for t in (*self.keys, *self.values) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def write_step(
+    keys: torch.Tensor, values: torch.Tensor, key: torch.Tensor, value: torch.Tensor, at: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write one pass's `key` and `value` into a layer's buffers from position `at` on; the
+    buffers' filled part, which attention takes (KVCache, and blocks.compiled's graphs)."""
+    end = at + key.shape[-2]
+    keys[:, :, at:end] = key
+    values[:, :, at:end] = value
+    return keys[:, :, :end], values[:, :, :end]
 
 
 class SpanSession:

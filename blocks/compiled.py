@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from blocks import lean, threads
-from blocks.cache import KVCache
+from blocks.cache import KVCache, write_step
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,8 @@ class _StepCache:
     def update(
         self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *_: object, **__: object
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        i, end = layer_idx - self.first, self.length + key.shape[-2]
-        self.keys[i][:, :, self.length : end] = key
-        self.values[i][:, :, self.length : end] = value
-        return self.keys[i][:, :, :end], self.values[i][:, :, :end]
+        i = layer_idx - self.first
+        return write_step(self.keys[i], self.values[i], key, value, self.length)
 
 
 def kv_shape(config: Any) -> tuple[int, int]:
@@ -165,9 +163,9 @@ class CompiledPasses:
         ):
             return None
         if prompt:  # the session's first pass: its caches are made here, as the layers would
-            like = hidden.new_zeros(1, self.kv_heads, kv.max_length, self.head_dim)
-            keys[:] = [torch.zeros_like(like) for _ in keys]
-            values[:] = [torch.zeros_like(like) for _ in values]
+            shape = (1, self.kv_heads, kv.max_length, self.head_dim)
+            keys[:] = [hidden.new_zeros(shape) for _ in keys]
+            values[:] = [hidden.new_zeros(shape) for _ in values]
         cos, sin = inputs["position_embeddings"]
         # The graphs take inference tensors, as a session's caches are, and dense ones (they are
         # guarded on both): a server's decoded input is neither, a long prompt's chunk not dense.

@@ -18,7 +18,7 @@ from peerd.devtools import localswarm
 from peerd.devtools.localswarm import LocalSwarm
 from tests.memnet import TINY_BLOCKS, save_tiny_llama
 
-# The daemons tests start do not compile their decode steps (`peerd start --compile`, ~20 s per
+# The daemons tests start do not compile their passes (`peerd start --compile`, 10-20 s per
 # daemon on a 2-core machine); tests/test_compiled_decode.py covers compiling.
 os.environ["PEERD_COMPILE"] = "0"
 

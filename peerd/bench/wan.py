@@ -104,17 +104,12 @@ def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
 
 
 def servers_compile() -> bool:
-    """Whether the servers started here compile their passes: `peerd start --compile`,
-    the default, unless PEERD_COMPILE turns it off (as click reads a flag's variable)."""
-    return os.environ.get("PEERD_COMPILE", "1").strip().lower() not in (
-        "0",
-        "false",
-        "f",
-        "no",
-        "n",
-        "off",
-        "",
-    )
+    """Whether the servers started here compile their passes: `peerd start --compile`, the
+    default, unless PEERD_COMPILE turns it off (read by click's own bool type, as the flag's is;
+    unset or empty: the default)."""
+    import click
+
+    return bool(click.BOOL.convert(os.environ.get("PEERD_COMPILE") or "1", None, None))
 
 
 def _tcp_rtt(addrs: list[Any], tries: int = 7) -> float:
