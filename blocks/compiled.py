@@ -3,12 +3,15 @@ decode steps, and the first pass of its prompt.
 
 An eager decode step of a small model is mostly dispatch: a 10-block one-token pass of the
 default model runs ~1,100 torch operations, and on the 2-core development machine (2026-12-06,
-two torch threads) its 70 matrix products took 7.2-7.4 ms of its 10.8-11.9. Compiled whole, the
-norms, rotary positions, attention, cache writes and residual adds fuse into a few C++ kernels
-around the same products (inductor calls the same BLAS for them): the step took 8.6-8.9 ms
-against 10.8-11.0 eager, and an 84-token prompt 39-41 ms against 44-49 (outputs within float
-rounding). Merged steps of several sessions were tried too and gained nothing: their 4-row
-products are most of their time on this CPU (docs/blocks.md#compiled-passes).
+Intel Xeon, two torch threads) its 70 matrix products took 7.2-7.4 ms of its 10.8-11.9. Compiled
+whole, the norms, rotary positions, attention, cache writes and residual adds fuse into a few C++
+kernels around the products: the step took 8.6-8.9 ms against 10.8-11.0 eager, and an 84-token
+prompt 39-41 ms against 44-49 (outputs within float rounding). The decode steps' graph also
+freezes the weights into itself and picks each product's kernel by timing (STEP_OPTIONS): on the
+same machine's AMD EPYC successor, with torch's BLAS calls the compiled step was slower than
+eager (10.5 against 9.4 ms), with the picked kernels faster (6.8-7.7 against 8.6-9.5 ms).
+Merged steps of several sessions run eager: compiled, their products gained nothing on the Xeon,
+and on the EPYC their graph took 100-160 s to compile (docs/blocks.md#compiled-passes).
 
 What is compiled is the span's own layers' lean forward (blocks.lean), called with a cache view
 that writes the pass's keys and values at a position the graph takes as an input. Shapes are
@@ -48,6 +51,20 @@ MAX_FAILURES = 3
 WARM_LENGTH = 251
 WARM_ROOM = 509
 WARM_PROMPT = 83
+# The graphs, in the order they compile (the first is the one a span needs to run compiled).
+KINDS = ("decode steps", "prompts")
+# Inductor's options for the decode steps' graph: the weights frozen into it as constants, and
+# each matrix product's kernel picked by timing inductor's own C++ template against torch's
+# BLAS call when it compiles (autotuning, not reported on stderr). A one-row product is
+# memory-bound: on the 2-core development machine (AMD EPYC, 2026-12-06, two torch threads) a
+# 10-block step took 6.8-6.9 ms against 8.6-9.2 eager and 10.5 compiled with torch's BLAS
+# calls. Prompts' products are large enough for BLAS: their graph keeps inductor's defaults.
+STEP_OPTIONS: dict[str, Any] = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "autotune_num_choices_displayed": 0,
+}
 
 
 class _StepCache:
@@ -98,16 +115,22 @@ class CompiledPasses:
         self.layers = list(span.layers)
         self.first = span.start
         self.kv_heads, self.head_dim = kv_shape(span.config)
+        self.rotary = span.rotary
         self.prompts = False  # whether the prompts' graph compiled (warm_up)
         self.failures = 0
         # torch keeps compiled graphs with the code they came from, at most 8 per code object
-        # (torch._dynamo.config.recompile_limit), and each span's are 2 of them: with a code
-        # object of its own, a span's graphs are its own and go with it (a server that moves
-        # compiles its new span; a process may hold several).
-        run = types.FunctionType(
-            type(self)._run.__code__.replace(), globals(), "_run", None, None
-        ).__get__(self)
-        self._step: Callable[..., torch.Tensor] = torch.compile(run, dynamic=True, fullgraph=True)
+        # (torch._dynamo.config.recompile_limit): with a code object of its own, each of a
+        # span's graphs is its own and goes with it (a server that moves compiles its new span;
+        # a process may hold several).
+        self._step: Callable[..., torch.Tensor] = self._compiled(self._run, STEP_OPTIONS)
+        self._prompt: Callable[..., torch.Tensor] = self._compiled(self._run, {})
+
+    def _compiled(
+        self, method: Callable[..., torch.Tensor], options: dict[str, Any]
+    ) -> Callable[..., torch.Tensor]:
+        code = method.__func__.__code__.replace()  # type: ignore[attr-defined]
+        run = types.FunctionType(code, globals(), code.co_name, None, None).__get__(self)
+        return torch.compile(run, dynamic=True, fullgraph=True, options=options)
 
     def _run(
         self,
@@ -123,13 +146,13 @@ class CompiledPasses:
             hidden = layer(hidden, position_embeddings=(cos, sin), cache=cache)
         return hidden
 
-    def warm_up(self, hidden_size: int, rotary: Any, tokens: int) -> float:
-        """Compile the graph of a step (`tokens` 1) or of a prompt (WARM_PROMPT) now, on a
-        scratch cache, with the thread count its passes run with (the kernels keep it); returns
-        the seconds it took."""
+    def warm_up(self, hidden_size: int, kind: str) -> float:
+        """Compile the graph of a kind of pass (KINDS) now, on a scratch cache, with the thread
+        count its passes run with (the kernels keep it); returns the seconds it took."""
         started = time.perf_counter()
         dtype = next(self.layers[0].parameters()).dtype
-        length = WARM_LENGTH if tokens == 1 else 0
+        prompt = kind == "prompts"
+        tokens, length = (WARM_PROMPT, 0) if prompt else (1, WARM_LENGTH)
         threads.apply(tokens)
         # Made in inference mode, as a session's caches are: the graph is guarded on it.
         with torch.inference_mode():
@@ -139,12 +162,11 @@ class CompiledPasses:
             for buffer in (*keys, *values):
                 torch._dynamo.mark_dynamic(buffer, 2)  # any session's max_length
             hidden = torch.zeros(1, tokens, hidden_size, dtype=dtype)
-            if tokens > 1:
+            if prompt:
                 torch._dynamo.mark_dynamic(hidden, 1)  # any prompt's length
-            cos, sin = rotary(hidden, torch.arange(length, length + tokens)[None])
-            self._step(hidden, cos, sin, keys, values, length)
-        if tokens > 1:
-            self.prompts = True
+            cos, sin = self.rotary(hidden, torch.arange(length, length + tokens)[None])
+            (self._prompt if prompt else self._step)(hidden, cos, sin, keys, values, length)
+        self.prompts = self.prompts or prompt
         return time.perf_counter() - started
 
     def __call__(
@@ -171,10 +193,17 @@ class CompiledPasses:
         # guarded on both): a server's decoded input is neither, a long prompt's chunk not dense.
         if not hidden.is_inference() or not hidden.is_contiguous():
             hidden = hidden.clone(memory_format=torch.contiguous_format)
+        return self._call(
+            self._prompt if prompt else self._step, hidden, cos, sin, keys, values, kv.length
+        )
+
+    def _call(self, graph: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor | None:
+        """`graph` on `args`, or None (logged, counted) where a guard failed (or worse): the
+        pass then runs eager."""
         try:
             with torch.compiler.set_stance("fail_on_recompile"):
-                return self._step(hidden, cos, sin, keys, values, kv.length)
-        except Exception as e:  # a guard failed (or worse): this pass runs eager
+                return graph(*args)
+        except Exception as e:
             self.failures += 1
             log.warning(
                 "a compiled pass failed (%s: %s); it ran eager%s",
@@ -195,20 +224,25 @@ def compile_span(span: Any) -> CompiledPasses | None:
         log.info("passes of %s run eager: %s", where, why)
         return None
     compiled = CompiledPasses(span)
-    seconds = 0.0
-    for tokens, what in ((1, "decode steps"), (WARM_PROMPT, "prompts")):
+    seconds: dict[str, float] = {}
+    for kind in KINDS:
         try:
-            seconds += compiled.warm_up(span.config.hidden_size, span.rotary, tokens)
+            seconds[kind] = compiled.warm_up(span.config.hidden_size, kind)
         except Exception as e:  # no working compiler, an unsupported op: eager it is
             first_line = str(e).splitlines()[0] if str(e) else ""
             log.warning(
                 "%s of %s run eager: compiling them failed (%s: %s)",
-                what,
+                kind,
                 where,
                 type(e).__name__,
                 first_line,
             )
-            if tokens == 1:
+            if kind == KINDS[0]:
                 return None
-    log.info("passes of %s compiled in %.1f s", where, seconds)
+    log.info(
+        "passes of %s compiled in %.1f s (%s)",
+        where,
+        sum(seconds.values()),
+        ", ".join(f"{kind} {s:.1f} s" for kind, s in seconds.items()),
+    )
     return compiled

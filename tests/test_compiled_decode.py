@@ -5,7 +5,7 @@ steps, a failed guard) runs eager; spans it cannot compile say why and serve eag
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,18 +83,21 @@ def _compare(span: Span, max_length: int, prompt: int) -> int:
     graph = span.compiled
     assert graph is not None
     ran = 0
-    step = graph._step
+    step, prompts = graph._step, graph._prompt
 
-    def counted(*args: Any) -> torch.Tensor:
-        nonlocal ran
-        ran += 1
-        return step(*args)
+    def counting(run: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def counted(*args: Any) -> torch.Tensor:
+            nonlocal ran
+            ran += 1
+            return run(*args)
 
-    graph._step = counted
+        return counted
+
+    graph._step, graph._prompt = counting(step), counting(prompts)
     try:
         ours = _steps(span, max_length, prompt, seed=max_length)
     finally:
-        graph._step = step
+        graph._step, graph._prompt = step, prompts
     span.compiled = None
     try:
         eager = _steps(span, max_length, prompt, seed=max_length)
@@ -230,13 +233,16 @@ async def test_servers_with_compiled_spans_give_the_whole_models_outputs(
     for name, (start, end) in zip(names, ((0, 2), (2, 4), (4, 6)), strict=True):
         span = _compiled(blocks.load_span(tiny_llama, start, end))
         assert span.compiled is not None
-        step = span.compiled._step
+        graph = span.compiled
 
-        def counted(*args: Any, name: str = name, step: Any = step) -> torch.Tensor:
-            calls[name] += 1
-            return step(*args)
+        def counted(run: Any, name: str = name) -> Callable[..., torch.Tensor]:
+            def call(*args: Any) -> torch.Tensor:
+                calls[name] += 1
+                return run(*args)
 
-        span.compiled._step = counted
+            return call
+
+        graph._step, graph._prompt = counted(graph._step), counted(graph._prompt)
         spans.append((name, span))
     alone = random_steps(4, (20, 1, 1, 1, 1, 1))
     together = [random_steps(seed, (17, 1, 1, 1)) for seed in (5, 6)]
