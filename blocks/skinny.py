@@ -13,6 +13,14 @@ another order (float rounding apart: a lone session's step is no longer bit for 
 transformers computes, as a merged step never was), and which is faster depends on the CPU and
 its BLAS, so `tune` times both on the span's own weights and keeps the skinny form only for the
 row counts where it is clearly faster.
+
+Merged decode steps of 5-15 sessions (PACKED_ROWS) have a third form: oneDNN's linear with a
+copy of the weight packed into its own layout (what inductor's frozen graphs call). On the same
+machine, two threads, 10 blocks of the default model: a merged step of 8 sessions took 21-22 ms
+against 35-39 ms with nn.Linear, 5 sessions 15-17 against 28-29 ms, 12 sessions 29-30 against
+40-46 ms. The copy costs the linear weights' memory again (135 MiB for those 10 blocks), so
+`tune` makes it only with twice that memory free, and keeps it only where a pass of 8 rows is
+clearly faster with it; `--blocks auto` does not count it.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+import psutil
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,17 +49,33 @@ TUNE_WARM = 3
 TUNE_ROUNDS = 2
 # Blocks timed: 6 blocks of the default model are 84 MB of weights.
 TUNE_BLOCKS = 6
+# Merged decode steps of this many rows may run with a packed copy of each weight (oneDNN's
+# layout, the kernel inductor's frozen graphs call), timed at PACKED_TUNE_ROWS rows.
+PACKED_ROWS = range(5, 16)
+PACKED_TUNE_ROWS = 8
 
 
 class SkinnyLinear(nn.Linear):
-    """An nn.Linear that computes weight @ x.T for the row counts in `skinny_rows` (inference
-    only: with autograd on it is an nn.Linear)."""
+    """An nn.Linear that computes weight @ x.T for the row counts in `skinny_rows`, and with
+    oneDNN's packed copy of its weight (`packed`, if any) for PACKED_ROWS (inference only: with
+    autograd on it is an nn.Linear)."""
 
     skinny_rows: frozenset[int] = frozenset()
+    packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         width = x.shape[-1]
         rows = x.numel() // width if width else 0
+        if (
+            self.packed is not None
+            and not torch.compiler.is_compiling()  # (the graphs pick their own kernels)
+            and PACKED_ROWS[0] <= rows <= PACKED_ROWS[-1]
+            and not torch.is_grad_enabled()
+        ):
+            out = torch.ops.mkldnn._linear_pointwise(
+                x.reshape(rows, width), self.packed, self.bias, "none", [], ""
+            )
+            return out.view(*x.shape[:-1], self.out_features)
         # `rows > ROWS[-1]` first: a compiled prompt's graph (blocks.compiled), whose rows are
         # any count, then never asks the set, which would fix them to one count.
         if rows > ROWS[-1] or rows not in self.skinny_rows or torch.is_grad_enabled():
@@ -77,6 +102,21 @@ def make_skinny(module: nn.Module) -> list[SkinnyLinear]:
     for linear in found:
         linear.__class__ = SkinnyLinear
     return found  # type: ignore[return-value]
+
+
+def packable() -> bool:
+    """Whether this torch build has oneDNN's packed linear (x86 CPU builds do)."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def set_packed(linears: list[SkinnyLinear], on: bool) -> None:
+    """Give each of `linears` a packed copy of its weight (`on`), or drop it."""
+    for linear in linears:
+        linear.packed = (
+            torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), PACKED_TUNE_ROWS)
+            if on and linear.weight.dtype == torch.float32
+            else None
+        )
 
 
 def set_rows(linears: list[SkinnyLinear], rows: frozenset[int]) -> None:
@@ -145,4 +185,48 @@ def tune(
         ",".join(map(str, sorted(chosen))) or "no",
         ", ".join(f"{rows}: {ratio:.2f}" for rows, ratio in best.items()),
     )
+    if packable():
+        _tune_packed(forward, hidden_size, linears, timer)
     return chosen
+
+
+def _tune_packed(
+    forward: Callable[[torch.Tensor], object],
+    hidden_size: int,
+    linears: list[SkinnyLinear],
+    timer: Callable[[], float],
+) -> None:
+    """Keep packed copies of the weights for merged steps (PACKED_ROWS) if a pass of
+    PACKED_TUNE_ROWS rows is clearly faster with them, in the better of TUNE_ROUNDS rounds."""
+    size = sum(linear.weight.nbytes for linear in linears)
+    free = psutil.virtual_memory().available
+    if free < 2 * size:  # the copies, and as much again to spare (see docs/blocks.md)
+        log.info("merged passes without packed weights: %d MiB free", free // 2**20)
+        return
+    set_packed(linears, True)
+    packs = [linear.packed for linear in linears]
+
+    def run(x: torch.Tensor, on: bool) -> Callable[[], object]:
+        def one_pass() -> object:
+            for linear, pack in zip(linears, packs, strict=True):
+                linear.packed = pack if on else None
+            return forward(x)
+
+        return one_pass
+
+    with torch.inference_mode():
+        x = torch.randn(PACKED_TUNE_ROWS, 1, hidden_size)
+        ratio = min(time_ratio(run(x, True), run(x, False), timer) for _ in range(TUNE_ROUNDS))
+    keep = ratio <= CLEARLY_FASTER
+    set_packed(linears, keep)
+    extra = size / 2**20 if keep else 0
+    log.info(
+        "merged passes of %d-%d rows %s oneDNN's packed weights (their time over nn.Linear's "
+        "at %d rows: %.2f; %.0f MiB more memory)",
+        PACKED_ROWS[0],
+        PACKED_ROWS[-1],
+        "with" if keep else "without",
+        PACKED_TUNE_ROWS,
+        ratio,
+        extra,
+    )
