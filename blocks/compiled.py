@@ -57,7 +57,7 @@ KINDS = ("decode steps", "prompts")
 # each matrix product's kernel picked by timing inductor's own C++ template against torch's
 # BLAS call when it compiles (autotuning, not reported on stderr). A one-row product is
 # memory-bound: on the 2-core development machine (AMD EPYC, 2026-12-06, two torch threads) a
-# 10-block step took 6.8-6.9 ms against 8.6-9.2 eager and 10.5 compiled with torch's BLAS
+# 10-block step took 6.8-7.7 ms against 8.6-9.5 eager and 10.5 compiled with torch's BLAS
 # calls. Prompts' products are large enough for BLAS: their graph keeps inductor's defaults.
 STEP_OPTIONS: dict[str, Any] = {
     "freezing": True,

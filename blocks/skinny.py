@@ -218,7 +218,8 @@ def _tune_packed(
         x = torch.randn(PACKED_TUNE_ROWS, 1, hidden_size)
         ratio = min(time_ratio(run(x, True), run(x, False), timer) for _ in range(TUNE_ROUNDS))
     keep = ratio <= CLEARLY_FASTER
-    set_packed(linears, keep)
+    for linear, pack in zip(linears, packs, strict=True):
+        linear.packed = pack if keep else None
     extra = size / 2**20 if keep else 0
     log.info(
         "merged passes of %d-%d rows %s oneDNN's packed weights (their time over nn.Linear's "
