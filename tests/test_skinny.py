@@ -16,46 +16,39 @@ from blocks.cache import MemoryCache
 from tests.memnet import TINY_BLOCKS, save_tiny_llama
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_skinny_form_gives_what_nn_linear_gives(bias: bool) -> None:
+def _skinny_and_plain(bias: bool, rows: tuple[int, ...]) -> skinny.SkinnyLinear:
+    """A SkinnyLinear (skinny for 1-4 rows, packed where `rows` reach PACKED_ROWS) checked
+    against the nn.Linear it was, on passes of each of `rows` rows."""
     torch.manual_seed(0)
     linear = nn.Linear(64, 48, bias=bias)
     reference = nn.Linear(64, 48, bias=bias)
     reference.load_state_dict(linear.state_dict())
     (made,) = skinny.make_skinny(nn.Sequential(linear))
     made.skinny_rows = frozenset({1, 2, 3, 4})
-    for rows in (1, 2, 3, 4, 5):
-        x = torch.randn(rows, 1, 64)
+    skinny.set_packed([made], skinny.packable() and any(r in skinny.PACKED_ROWS for r in rows))
+    for count in rows:
+        x = torch.randn(count, 1, 64)
         with torch.inference_mode():
             got, want = made(x), reference(x)
         assert got.shape == want.shape and got.is_contiguous()
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
     # With autograd on it is nn.Linear itself: gradients flow as before.
-    x = torch.randn(2, 1, 64, requires_grad=True)
+    x = torch.randn(max(rows), 1, 64, requires_grad=True)
     made(x).sum().backward()
     assert x.grad is not None
+    return made
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_skinny_form_gives_what_nn_linear_gives(bias: bool) -> None:
+    _skinny_and_plain(bias, (1, 2, 3, 4))
 
 
 @pytest.mark.skipif(not skinny.packable(), reason="this torch build has no oneDNN")
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_packed_form_gives_what_nn_linear_gives(bias: bool) -> None:
-    torch.manual_seed(0)
-    linear = nn.Linear(64, 48, bias=bias)
-    reference = nn.Linear(64, 48, bias=bias)
-    reference.load_state_dict(linear.state_dict())
-    (made,) = skinny.make_skinny(nn.Sequential(linear))
-    made.skinny_rows = frozenset({1, 2, 3, 4})
-    skinny.set_packed([made], True)
+    made = _skinny_and_plain(bias, (1, 4, 5, 8, 15, 16, 40))
     assert made.packed is not None
-    for rows in (1, 4, 5, 8, 15, 16, 40):
-        x = torch.randn(rows, 1, 64)
-        with torch.inference_mode():
-            got, want = made(x), reference(x)
-        assert got.shape == want.shape and got.is_contiguous()
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
-    x = torch.randn(8, 1, 64, requires_grad=True)  # autograd on: nn.Linear's own path
-    made(x).sum().backward()
-    assert x.grad is not None
     # Which rows take the packed copy: with a copy of zeros, exactly PACKED_ROWS give the bias.
     made.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(48, 64), 8)
     for rows in range(1, 20):
