@@ -19,8 +19,9 @@ copy of the weight packed into its own layout (what inductor's frozen graphs cal
 machine, two threads, 10 blocks of the default model: a merged step of 8 sessions took 21-22 ms
 against 35-39 ms with nn.Linear, 5 sessions 15-17 against 28-29 ms, 12 sessions 29-30 against
 40-46 ms. The copy costs the linear weights' memory again (135 MiB for those 10 blocks), so
-`tune` makes it only with twice that memory free, and keeps it only where a pass of 8 rows is
-clearly faster with it; `--blocks auto` does not count it.
+it is a server's choice, not load_span's: `tune_packed` (run by Span.compile_passes, which
+`peerd start --compile` calls) makes it only with twice that memory free, and keeps it only
+where a pass of 8 rows is clearly faster with it; `--blocks auto` does not count it.
 """
 
 from __future__ import annotations
@@ -185,24 +186,25 @@ def tune(
         ",".join(map(str, sorted(chosen))) or "no",
         ", ".join(f"{rows}: {ratio:.2f}" for rows, ratio in best.items()),
     )
-    if packable():
-        _tune_packed(forward, hidden_size, linears, timer)
     return chosen
 
 
-def _tune_packed(
+def tune_packed(
     forward: Callable[[torch.Tensor], object],
     hidden_size: int,
     linears: list[SkinnyLinear],
-    timer: Callable[[], float],
-) -> None:
+    timer: Callable[[], float] = time.thread_time,
+) -> bool:
     """Keep packed copies of the weights for merged steps (PACKED_ROWS) if a pass of
-    PACKED_TUNE_ROWS rows is clearly faster with them, in the better of TUNE_ROUNDS rounds."""
+    PACKED_TUNE_ROWS rows through `forward` is clearly faster with them, in the better of
+    TUNE_ROUNDS rounds, where oneDNN is there and memory allows; True if it kept them."""
+    if not linears or not packable():
+        return False
     size = sum(linear.weight.nbytes for linear in linears)
     free = psutil.virtual_memory().available
     if free < 2 * size:  # the copies, and as much again to spare (see docs/blocks.md)
         log.info("merged passes without packed weights: %d MiB free", free // 2**20)
-        return
+        return False
     set_packed(linears, True)
     packs = [linear.packed for linear in linears]
 
@@ -231,3 +233,4 @@ def _tune_packed(
         ratio,
         extra,
     )
+    return keep

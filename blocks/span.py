@@ -106,10 +106,23 @@ class Span(nn.Module):
         return Span(self.config, self.family, start, layers, self.rotary, self.model, self.adapters)
 
     def compile_passes(self) -> bool:
-        """Compile this span's decode steps and prompts' first passes (blocks.compiled), if it
-        can run them compiled here; True if it will."""
+        """Make this span as fast as a server wants it, for memory: its merged decode steps with
+        packed weights where tuning finds them faster (blocks.skinny.tune_packed), and its decode
+        steps and prompts' first passes compiled (blocks.compiled), if it can run them compiled
+        here; True if it will."""
+        if self._skinny_linears():
+            skinny.tune_packed(
+                self._tuning_sample(), self.config.hidden_size, self._skinny_linears()
+            )
         self.compiled = compile_span(self)
         return self.compiled is not None
+
+    def _tuning_sample(self) -> Span:
+        """The span's first blocks (blocks.skinny.TUNE_BLOCKS), timed in its tunings: their
+        weights still far larger than a CPU's caches, so a long span tunes no slower than a
+        short one."""
+        layers = list(self.layers)[: skinny.TUNE_BLOCKS]
+        return Span(self.config, self.family, self.start, layers, self.rotary, self.model)
 
     def add_adapter(self, adapter: AdapterInfo) -> None:
         """Load the LoRA matrices of this span's blocks from `adapter` and offer it by name."""
@@ -405,10 +418,7 @@ def load_span(
     span = Span(config, family, start, layers, rotary, model_name(path))
     span.eval()  # no dropout
     if quant == "none" and dtype == torch.float32 and torch.device(device).type == "cpu":
-        # Timed on the first few blocks (their weights still far larger than a CPU's caches),
-        # so a long span loads no slower than a short one.
-        sample = Span(config, family, start, layers[: skinny.TUNE_BLOCKS], rotary, span.model)
-        skinny.tune(sample, config.hidden_size, skinny.make_skinny(span))
+        skinny.tune(span._tuning_sample(), config.hidden_size, skinny.make_skinny(span))
     for adapter in adapters:
         if not isinstance(adapter, AdapterInfo):
             adapter = read_adapter(adapter, config, family)

@@ -75,7 +75,9 @@ def test_tuning_keeps_the_forms_only_where_they_are_clearly_faster(packed_time: 
 
     assert skinny.tune(forward, 8, linears, timer=lambda: clock[0]) == frozenset({1, 2})
     assert all(linear.skinny_rows == frozenset({1, 2}) for linear in linears)
+    assert all(linear.packed is None for linear in linears)  # a server's choice (compile_passes)
     keep = skinny.packable() and packed_time < skinny.CLEARLY_FASTER
+    assert skinny.tune_packed(forward, 8, linears, timer=lambda: clock[0]) == keep
     assert all((linear.packed is not None) == keep for linear in linears)
 
 

@@ -135,7 +135,8 @@ COMPILE = typer.Option(
     "--compile/--no-compile",
     envvar="PEERD_COMPILE",
     help="Compile the span's decode steps and prompts' first passes on a CPU (torch.compile: "
-    "10-20 s at start, needs g++; faster passes), where they can run. "
+    "10-30 s at start, needs g++; faster passes), where they can run, and keep packed copies "
+    "of its weights for merged steps where that is faster (more memory). "
     "docs/blocks.md#compiled-passes",
 )
 PRIORITY = typer.Option(
