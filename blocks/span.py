@@ -106,10 +106,10 @@ class Span(nn.Module):
         return Span(self.config, self.family, start, layers, self.rotary, self.model, self.adapters)
 
     def compile_passes(self) -> bool:
-        """Make this span as fast as a server wants it, for memory: its merged decode steps with
-        packed weights where tuning finds them faster (blocks.skinny.tune_packed), and its decode
-        steps and prompts' first passes compiled (blocks.compiled), if it can run them compiled
-        here; True if it will."""
+        """Ready this span for serving, trading memory for speed: packed copies of its weights
+        for merged decode steps where tuning finds them faster (blocks.skinny.tune_packed), and
+        its decode steps and prompts' first passes compiled (blocks.compiled), if it can run them
+        compiled here; True if it will."""
         if self._skinny_linears():
             skinny.tune_packed(
                 self._tuning_sample(), self.config.hidden_size, self._skinny_linears()
