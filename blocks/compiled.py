@@ -122,14 +122,14 @@ class CompiledPasses:
         # (torch._dynamo.config.recompile_limit): with a code object of its own, each of a
         # span's graphs is its own and goes with it (a server that moves compiles its new span;
         # a process may hold several).
-        self._step: Callable[..., torch.Tensor] = self._compiled(self._run, STEP_OPTIONS)
-        self._prompt: Callable[..., torch.Tensor] = self._compiled(self._run, {})
+        self._step: Callable[..., torch.Tensor] = self._compiled(STEP_OPTIONS)
+        self._prompt: Callable[..., torch.Tensor] = self._compiled({})
 
-    def _compiled(
-        self, method: Callable[..., torch.Tensor], options: dict[str, Any]
-    ) -> Callable[..., torch.Tensor]:
-        code = method.__func__.__code__.replace()  # type: ignore[attr-defined]
-        run = types.FunctionType(code, globals(), code.co_name, None, None).__get__(self)
+    def _compiled(self, options: dict[str, Any]) -> Callable[..., torch.Tensor]:
+        """`_run` under a code object of its own, compiled with inductor's `options`."""
+        run = types.FunctionType(
+            type(self)._run.__code__.replace(), globals(), "_run", None, None
+        ).__get__(self)
         return torch.compile(run, dynamic=True, fullgraph=True, options=options)
 
     def _run(

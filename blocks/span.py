@@ -110,10 +110,9 @@ class Span(nn.Module):
         for merged decode steps where tuning finds them faster (blocks.skinny.tune_packed), and
         its decode steps and prompts' first passes compiled (blocks.compiled), if it can run them
         compiled here; True if it will."""
-        if self._skinny_linears():
-            skinny.tune_packed(
-                self._tuning_sample(), self.config.hidden_size, self._skinny_linears()
-            )
+        linears = self._skinny_linears()
+        if linears:
+            skinny.tune_packed(self._tuning_sample(), self.config.hidden_size, linears)
         self.compiled = compile_span(self)
         return self.compiled is not None
 

@@ -50,7 +50,9 @@ def test_the_packed_form_gives_what_nn_linear_gives(bias: bool) -> None:
     made = _skinny_and_plain(bias, (1, 4, 5, 8, 15, 16, 40))
     assert made.packed is not None
     # Which rows take the packed copy: with a copy of zeros, exactly PACKED_ROWS give the bias.
-    made.packed = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(48, 64), 8)
+    made.packed = torch.ops.mkldnn._reorder_linear_weight(
+        torch.zeros(48, 64), skinny.PACKED_TUNE_ROWS
+    )
     for rows in range(1, 20):
         with torch.inference_mode():
             out = made(torch.randn(rows, 1, 64))
@@ -89,11 +91,7 @@ def test_a_tuned_span_merges_steps_as_before(tmp_path: Path, sessions_merged: in
     span.skinny_rows = frozenset(skinny.ROWS)
     linears = [m for m in span.modules() if isinstance(m, skinny.SkinnyLinear)]
     skinny.set_packed(linears, skinny.packable())
-    assert all(
-        m.skinny_rows == frozenset(skinny.ROWS)
-        for m in span.modules()
-        if isinstance(m, skinny.SkinnyLinear)
-    )
+    assert all(m.skinny_rows == frozenset(skinny.ROWS) for m in linears)
     cache = MemoryCache(budget_tokens=4096)
     hidden = span.config.hidden_size
     torch.manual_seed(1)
