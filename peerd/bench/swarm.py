@@ -3,7 +3,10 @@ default model) against the whole model in one process with transformers, in the 
 
 Reported as ratios (the machine is noisy): decode tokens/s through the swarm (server-to-server
 push) over local decode tokens/s, the same for the prompt (prefill), and push over the
-client-relayed path; medians over `runs` repetitions.
+client-relayed path; medians over `runs` repetitions. A prompt is one pass, so each repetition
+times PREFILL_PAIRS more of them, a local prefill and the swarm's first token in turn, and its
+`prefill_ratio` is the median local prefill over the median first token of all its pairs: one
+pair alone moved by up to 1.6x between repetitions of one run (docs/swarm.md).
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ from peerd.devtools.localswarm import LocalSwarm
 from peerd.node import compute_thread
 from peerd.session.inference import InferenceSession
 from peerd.session.leech import Leech, open_leech
+
+# Extra (local prefill, swarm first token) pairs per repetition, beside its decode runs' own.
+PREFILL_PAIRS = 4
 
 PROMPT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg, "
@@ -76,7 +82,8 @@ async def _swarm_run(
             if len(tokens) == 1:
                 first_at = time.perf_counter()
         finished = time.perf_counter()
-    return first_at - started, (new_tokens - 1) / (finished - first_at), tokens
+    decode_tps = (new_tokens - 1) / (finished - first_at) if new_tokens > 1 else 0.0
+    return first_at - started, decode_tps, tokens
 
 
 def run_swarm_bench(runs: int = 3, new_tokens: int = 64, torch_threads: int = 2) -> dict[str, Any]:
@@ -110,6 +117,14 @@ def run_swarm_bench(runs: int = 3, new_tokens: int = 64, torch_threads: int = 2)
                     ttft, tps, swarm_tokens = await _swarm_run(leech, ids, new_tokens)
                     _, relay_tps, relay_tokens = await _swarm_run(leech, ids, new_tokens, False)
                     same &= local_tokens == swarm_tokens == relay_tokens
+                    local_prefills, ttfts = [local_prefill], [ttft]
+                    for _ in range(PREFILL_PAIRS):
+                        local_prefills.append(
+                            (await compute_thread.run(_local_run, model, ids, 1))[0]
+                        )
+                        ttfts.append((await _swarm_run(leech, ids, 1))[0])
+                    local_prefill = statistics.median(local_prefills)
+                    ttft = statistics.median(ttfts)
                     rows.append(
                         {
                             "decode_tps": tps,
@@ -131,6 +146,7 @@ def run_swarm_bench(runs: int = 3, new_tokens: int = 64, torch_threads: int = 2)
                 new_tokens=new_tokens,
                 prompt_tokens=int(ids.shape[1]),
                 same_tokens_as_local=same,
+                prefill_pairs=PREFILL_PAIRS + 1,
                 route=[f"{hop.start}:{hop.end}@{hop.peer_id[-8:]}" for hop in route],
                 all_ratios=[row["ratio"] for row in rows],
             )
