@@ -20,8 +20,9 @@ machine, two threads, 10 blocks of the default model: a merged step of 8 session
 against 35-39 ms with nn.Linear, 5 sessions 15-17 against 28-29 ms, 12 sessions 29-30 against
 40-46 ms. The copy costs the linear weights' memory again (135 MiB for those 10 blocks), so
 it is a server's choice, not load_span's: `tune_packed` (run by Span.compile_passes, which
-`peerd start --compile` calls) makes it only with twice that memory free, and keeps it only
-where a pass of 8 rows is clearly faster with it; `--blocks auto` does not count it.
+`peerd start --compile` calls) makes it only with twice that memory free and within what the
+server's memory budget leaves beside its blocks and their cache, and keeps it only where a pass
+of 8 rows is clearly faster with it.
 """
 
 from __future__ import annotations
@@ -194,13 +195,24 @@ def tune_packed(
     hidden_size: int,
     linears: list[SkinnyLinear],
     timer: Callable[[], float] = time.thread_time,
+    room: int | None = None,
 ) -> bool:
     """Keep packed copies of the weights for merged steps (PACKED_ROWS) if a pass of
     PACKED_TUNE_ROWS rows through `forward` is clearly faster with them, in the better of
-    TUNE_ROUNDS rounds, where oneDNN is there and memory allows; True if it kept them."""
+    TUNE_ROUNDS rounds, where oneDNN is there and memory allows; True if it kept them.
+    `room`: bytes the server's memory budget leaves beside its weights and cache (None: it set
+    none), which the copies must fit in."""
     if not linears or not packable():
         return False
     size = sum(linear.weight.nbytes for linear in linears)
+    if room is not None and size > room:
+        log.info(
+            "merged passes without packed weights: they need %d MiB, the memory budget leaves "
+            "%d MiB beside the blocks and their cache (raise --memory-budget for them)",
+            size // 2**20,
+            max(room, 0) // 2**20,
+        )
+        return False
     free = psutil.virtual_memory().available
     if free < 2 * size:  # the copies, and as much again to spare (see docs/blocks.md)
         log.info("merged passes without packed weights: %d MiB free", free // 2**20)

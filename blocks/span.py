@@ -105,14 +105,15 @@ class Span(nn.Module):
         layers = list(self.layers)[start - self.start : end - self.start]
         return Span(self.config, self.family, start, layers, self.rotary, self.model, self.adapters)
 
-    def compile_passes(self) -> bool:
+    def compile_passes(self, packed_room: int | None = None) -> bool:
         """Ready this span for serving, trading memory for speed: packed copies of its weights
-        for merged decode steps where tuning finds them faster (blocks.skinny.tune_packed), and
-        its decode steps and prompts' first passes compiled (blocks.compiled), if it can run them
-        compiled here; True if it will."""
+        for merged decode steps where tuning finds them faster and they fit `packed_room` bytes
+        (blocks.skinny.tune_packed; None: no budget), and its decode steps and prompts' first
+        passes compiled (blocks.compiled), if it can run them compiled here; True if it will."""
         linears = self._skinny_linears()
         if linears:
-            skinny.tune_packed(self._tuning_sample(), self.config.hidden_size, linears)
+            sample = self._tuning_sample()
+            skinny.tune_packed(sample, self.config.hidden_size, linears, room=packed_room)
         self.compiled = compile_span(self)
         return self.compiled is not None
 

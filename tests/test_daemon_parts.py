@@ -12,11 +12,14 @@ import pytest
 import trio
 from transformers import LlamaConfig, MixtralConfig
 
+import blocks
 from peerd.daemon.main import DaemonError, blocks_to_serve, parse_blocks
+from peerd.daemon.startup import held_bytes, load_serving_span
 from peerd.node.identity import IdentityError, load_or_create_identity, peer_id_of
 from peerd.node.p2p import BadMultiaddr, parse_peer_maddr
 from peerd.server.compute import PRIORITY_INFERENCE, PRIORITY_TRAINING, ComputeQueue
 from peerd.session.dht_keys import block_key
+from tests.memnet import save_tiny_llama
 
 
 def test_identity_persists_with_private_mode(tmp_path: Path) -> None:
@@ -129,3 +132,20 @@ def test_blocks_that_fit_a_budget_of_a_dense_model() -> None:
     cache = 4 * 2 * 2 * 8 * 100
     assert blocks_to_serve(config, 3 * (block + cache), 100) == 3
     assert blocks_to_serve(config, 3 * (block + cache) - 1, 100) == 2
+
+
+@pytest.mark.parametrize("budget", [None, 10**9, 1])
+async def test_a_servers_packed_copies_get_what_its_budget_leaves(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int | None
+) -> None:
+    """`--compile` hands the span's tuning the bytes the memory budget leaves beside its weights
+    and a cache of --cache-tokens (None without a budget); the packed copies must fit them."""
+    rooms: list[int | None] = []
+    monkeypatch.setattr(blocks.Span, "compile_passes", lambda span, room=None: rooms.append(room))
+    checkpoint = save_tiny_llama(tmp_path)
+    span = await load_serving_span(checkpoint, (0, 4), blocks.Serving(), [], True, budget, 100)
+    cache = blocks.cache_bytes_per_block(span.config, span.dtype, 100)
+    assert held_bytes(span, 100) == span.weight_bytes + 4 * cache
+    assert rooms == [None if budget is None else budget - held_bytes(span, 100)]
+    await load_serving_span(checkpoint, (0, 4), blocks.Serving(), [], False, budget, 100)
+    assert len(rooms) == 1  # no --compile: no tuning, no copies

@@ -81,6 +81,12 @@ def test_tuning_keeps_the_forms_only_where_they_are_clearly_faster(packed_time: 
     keep = skinny.packable() and packed_time < skinny.CLEARLY_FASTER
     assert skinny.tune_packed(forward, 8, linears, timer=lambda: clock[0]) == keep
     assert all((linear.packed is not None) == keep for linear in linears)
+    # Copies that the server's memory budget leaves no room for are not made, however fast.
+    size = sum(linear.weight.nbytes for linear in linears)
+    skinny.set_packed(linears, False)
+    assert not skinny.tune_packed(forward, 8, linears, timer=lambda: clock[0], room=size - 1)
+    assert all(linear.packed is None for linear in linears)
+    assert skinny.tune_packed(forward, 8, linears, timer=lambda: clock[0], room=size) == keep
 
 
 @pytest.mark.parametrize("sessions_merged", [3, 6])

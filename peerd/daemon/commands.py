@@ -41,7 +41,9 @@ IDENTITY = typer.Option(
 )
 THROUGHPUT = typer.Option("auto", help="auto (measure once, cached) or tokens/s.")
 MEMORY_BUDGET = typer.Option(
-    None, help="Bytes for weights + cache with --blocks auto (default: half of free RAM)."
+    None,
+    help="Bytes for weights + cache with --blocks auto (default: half of free RAM); --compile's "
+    "packed copies get what it leaves.",
 )
 CACHE_TOKENS = typer.Option(16384, min=1, help="KV cache budget in tokens.")
 REFRESH_PERIOD = typer.Option(60.0, min=0.1, help="Seconds between DHT announces.")
@@ -136,7 +138,7 @@ COMPILE = typer.Option(
     envvar="PEERD_COMPILE",
     help="Compile the span's decode steps and prompts' first passes on a CPU (torch.compile: "
     "10-30 s at start, needs g++; faster passes), where they can run, and keep packed copies "
-    "of its weights for merged steps where that is faster (more memory). "
+    "of its weights for merged steps where that is faster (within --memory-budget). "
     "docs/blocks.md#compiled-passes",
 )
 PRIORITY = typer.Option(

@@ -121,14 +121,13 @@ def parse_blocks(text: str, num_blocks: int) -> tuple[str, int | None, int | Non
     """ "auto" | "N" | "a:b" -> (kind, n_or_start, end), with errors a person can act on."""
     if text == "auto":
         return ("auto", None, None)
+    unreadable = f"--blocks {text}: expected auto, a count like 10, or a span like 0:10"
     if ":" in text:
         a, _, b = text.partition(":")
         try:
             start, end = int(a), int(b)
         except ValueError:
-            raise DaemonError(
-                f"--blocks {text}: expected auto, a count like 10, or a span like 0:10"
-            ) from None
+            raise DaemonError(unreadable) from None
         if not 0 <= start < end <= num_blocks:
             raise DaemonError(
                 f"--blocks {text}: the model has blocks 0:{num_blocks}; give a span a:b with "
@@ -138,9 +137,7 @@ def parse_blocks(text: str, num_blocks: int) -> tuple[str, int | None, int | Non
     try:
         count = int(text)
     except ValueError:
-        raise DaemonError(
-            f"--blocks {text}: expected auto, a count like 10, or a span like 0:10"
-        ) from None
+        raise DaemonError(unreadable) from None
     if not 1 <= count <= num_blocks:
         raise DaemonError(
             f"--blocks {text}: the model has {num_blocks} blocks; serve 1 to {num_blocks}"
@@ -184,6 +181,7 @@ class Daemon:
         self.swarm: SwarmView | None = None
         self.server: BlockServer | None = None
         self.started_at = time.time()
+        self.budget = config.memory_budget  # bytes for weights + cache; auto's, once chosen
         self.metrics_port: int | None = None  # the bound port, once serving metrics
         self.models: SwarmModels | None = None  # the swarm's models, once online
         self.api: LocalApi | None = None
@@ -342,8 +340,9 @@ class Daemon:
         assert self.server is not None
         config = self.config
         span = await load_serving_span(
-            self.checkpoint, (start, end), config.serving, self.adapters, config.compile
-        )
+            self.checkpoint, (start, end), config.serving, self.adapters, config.compile,
+            self.budget, config.cache_tokens,
+        )  # fmt: skip
         cache = blocks.MemoryCache(budget_tokens=self.config.cache_tokens)
         throughput = await self._throughput(span)
         self.server.go_online(span, cache, throughput)
@@ -382,9 +381,9 @@ class Daemon:
     def _blocks_that_fit(self) -> int:
         config = self.config
         device = config.serving.device  # free GPU memory on CUDA, else a share of free RAM
-        budget = config.memory_budget or blocks.free_memory(device, AUTO_MEMORY_FRACTION)
+        self.budget = config.memory_budget or blocks.free_memory(device, AUTO_MEMORY_FRACTION)
         return blocks_to_serve(
-            self.model_config, budget, config.cache_tokens, self.model, config.serving
+            self.model_config, self.budget, config.cache_tokens, self.model, config.serving
         )
 
     async def _throughput(self, span: blocks.Span) -> float:

@@ -146,13 +146,25 @@ async def load_serving_span(
     serving: blocks.Serving,
     adapters: list[blocks.AdapterInfo],
     compile_passes: bool,
+    budget: int | None = None,
+    cache_tokens: int = 0,
 ) -> blocks.Span:
     """The blocks `span` of `checkpoint` as a server serves them, loaded on the compute thread;
     with `compile_passes` (`--compile`), their decode steps and prompts compiled there too,
-    where they can be (blocks.compiled), before the server measures its throughput."""
+    where they can be (blocks.compiled), before the server measures its throughput, and packed
+    copies of their weights kept only within what the memory `budget` (None: none) leaves
+    beside them and a cache of `cache_tokens`."""
     loaded = await compute_thread.run(
         blocks.load_span, checkpoint, *span, serving.dtype, serving.device, adapters, serving.quant
     )
     if compile_passes:
-        await compute_thread.run(loaded.compile_passes)
+        room = None if budget is None else budget - held_bytes(loaded, cache_tokens)
+        await compute_thread.run(loaded.compile_passes, room)
     return loaded
+
+
+def held_bytes(span: blocks.Span, cache_tokens: int) -> int:
+    """What `span` counts against a memory budget: its weights, and a KV cache of
+    `cache_tokens` in each of its blocks (as `--blocks auto` counts them)."""
+    per_block = blocks.cache_bytes_per_block(span.config, span.dtype, cache_tokens)
+    return span.weight_bytes + span.num_blocks * per_block
