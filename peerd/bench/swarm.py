@@ -133,6 +133,8 @@ def run_swarm_bench(runs: int = 3, new_tokens: int = 64, torch_threads: int = 2)
                             "push_speedup": tps / relay_tps,
                             "ratio": tps / local_tps,
                             "prefill_ratio": local_prefill / ttft,
+                            # The decode runs' own pair, as prefill_ratio was before the pairs.
+                            "first_pair_prefill_ratio": local_prefills[0] / ttfts[0],
                             "ttft_s": ttft,
                             "local_prefill_s": local_prefill,
                         }
