@@ -86,6 +86,36 @@ async def _swarm_run(
     return first_at - started, decode_tps, tokens
 
 
+async def _repetition(
+    leech: Leech, model: Any, ids: torch.Tensor, new_tokens: int
+) -> tuple[dict[str, float], bool]:
+    """One repetition's figures, and whether local, push and relayed decoding gave the same
+    tokens: a decode run of each, then PREFILL_PAIRS more (local prefill, first token) pairs."""
+    local_prefill, local_tps, local_tokens = await compute_thread.run(
+        _local_run, model, ids, new_tokens
+    )
+    ttft, tps, swarm_tokens = await _swarm_run(leech, ids, new_tokens)
+    _, relay_tps, relay_tokens = await _swarm_run(leech, ids, new_tokens, False)
+    local_prefills, ttfts = [local_prefill], [ttft]
+    for _ in range(PREFILL_PAIRS):
+        local_prefills.append((await compute_thread.run(_local_run, model, ids, 1))[0])
+        ttfts.append((await _swarm_run(leech, ids, 1))[0])
+    local_prefill, ttft = statistics.median(local_prefills), statistics.median(ttfts)
+    row = {
+        "decode_tps": tps,
+        "local_decode_tps": local_tps,
+        "relay_decode_tps": relay_tps,
+        "push_speedup": tps / relay_tps,
+        "ratio": tps / local_tps,
+        "prefill_ratio": local_prefill / ttft,
+        # The decode runs' own pair, as prefill_ratio was before the pairs.
+        "first_pair_prefill_ratio": local_prefills[0] / ttfts[0],
+        "ttft_s": ttft,
+        "local_prefill_s": local_prefill,
+    }
+    return row, local_tokens == swarm_tokens == relay_tokens
+
+
 def run_swarm_bench(runs: int = 3, new_tokens: int = 64, torch_threads: int = 2) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
@@ -111,34 +141,9 @@ def run_swarm_bench(runs: int = 3, new_tokens: int = 64, torch_threads: int = 2)
                 await _swarm_run(leech, ids, 4)  # warm-up: connections, first allocations
                 await compute_thread.run(_local_run, model, ids, 4)
                 for _ in range(runs):
-                    local_prefill, local_tps, local_tokens = await compute_thread.run(
-                        _local_run, model, ids, new_tokens
-                    )
-                    ttft, tps, swarm_tokens = await _swarm_run(leech, ids, new_tokens)
-                    _, relay_tps, relay_tokens = await _swarm_run(leech, ids, new_tokens, False)
-                    same &= local_tokens == swarm_tokens == relay_tokens
-                    local_prefills, ttfts = [local_prefill], [ttft]
-                    for _ in range(PREFILL_PAIRS):
-                        local_prefills.append(
-                            (await compute_thread.run(_local_run, model, ids, 1))[0]
-                        )
-                        ttfts.append((await _swarm_run(leech, ids, 1))[0])
-                    local_prefill = statistics.median(local_prefills)
-                    ttft = statistics.median(ttfts)
-                    rows.append(
-                        {
-                            "decode_tps": tps,
-                            "local_decode_tps": local_tps,
-                            "relay_decode_tps": relay_tps,
-                            "push_speedup": tps / relay_tps,
-                            "ratio": tps / local_tps,
-                            "prefill_ratio": local_prefill / ttft,
-                            # The decode runs' own pair, as prefill_ratio was before the pairs.
-                            "first_pair_prefill_ratio": local_prefills[0] / ttfts[0],
-                            "ttft_s": ttft,
-                            "local_prefill_s": local_prefill,
-                        }
-                    )
+                    row, same_tokens = await _repetition(leech, model, ids, new_tokens)
+                    rows.append(row)
+                    same &= same_tokens
                 route = leech.swarm.plan()
             report: dict[str, Any] = {
                 key: statistics.median(row[key] for row in rows) for key in rows[0]
