@@ -9,6 +9,7 @@ from collections.abc import Callable
 from functools import cached_property, partial
 from pathlib import Path
 
+import psutil
 import torch
 from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
@@ -23,6 +24,7 @@ from blocks.checkpoint import (
 )
 from blocks.errors import ModelNotFoundError
 from blocks.families import Family, family_of, prepare_config
+from blocks.greedy_head import HalfShortlist
 from blocks.skinny import CLEARLY_FASTER, columns_product, time_ratio
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,11 @@ log = logging.getLogger(__name__)
 HEAD_ROWS = (1, 2, 4, 8)
 HEAD_TUNE_REPS = 5
 HEAD_TUNE_WARM = 2
+# Row counts whose greedy tokens may come through the half-precision shortlist (blocks.greedy_head:
+# torch's CPU float16 product is a fast matrix-vector one; 4 rows took 2x the float32 head), kept
+# where tune_greedy finds it clearly faster, and only with this many times the copy's size free.
+SHORTLIST_ROWS = (1, 2)
+SHORTLIST_ROOM = 4
 
 
 class ClientSide(nn.Module):
@@ -58,6 +65,10 @@ class ClientSide(nn.Module):
         # columns form (_cpu_lm_head): tune_lm_head's choice; a count between two takes the
         # choice of the one below, and more than the last the columns form.
         self.linear_rows: frozenset[int] = frozenset()
+        # The half-precision copy of the head for greedy tokens, and the row counts it serves
+        # (tune_greedy's choice; none: every greedy token takes the float32 head).
+        self.shortlist: HalfShortlist | None = None
+        self.shortlist_rows: frozenset[int] = frozenset()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token ids [batch, tokens] -> the hidden states block 0 takes."""
@@ -71,6 +82,18 @@ class ClientSide(nn.Module):
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or self._linear_for(normed):
             return self.lm_head(normed)
         return self.lm_head.cap(_cpu_lm_head(normed, weight, self.lm_head.bias))
+
+    def greedy(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Hidden states [rows, hidden] after the last block -> each row's greedy token [rows, 1]
+        (logits(...).argmax), through the half-precision shortlist where tune_greedy kept it."""
+        if self.shortlist is not None and hidden_states.shape[0] in self.shortlist_rows:
+            weight = self.lm_head.weight
+            tokens = self.shortlist.argmax(
+                self.final_norm(hidden_states.to(weight.device, weight.dtype))
+            )
+            if tokens is not None:
+                return tokens[:, None]
+        return self.logits(hidden_states).argmax(dim=-1, keepdim=True)
 
     def _linear_for(self, hidden: torch.Tensor) -> bool:
         rows = hidden.numel() // hidden.shape[-1]
@@ -105,6 +128,48 @@ class ClientSide(nn.Module):
             ", ".join(f"{rows}: {ratio:.2f}" for rows, ratio in best.items()),
         )
         return self.linear_rows
+
+    def tune_greedy(self, timer: Callable[[], float] = time.thread_time) -> frozenset[int]:
+        """Time greedy tokens of SHORTLIST_ROWS rows through a half-precision copy of the head
+        (blocks.greedy_head) against the float32 head's tuned form, pass by pass in turn, and keep
+        the copy for the row counts where it is clearly faster. Only for a float32 CPU head
+        without soft-capping, with SHORTLIST_ROOM times the copy's size free, on a machine whose
+        float16 product sums in float32 (the bound relies on it)."""
+        weight = self.lm_head.weight
+        self.shortlist, self.shortlist_rows = None, frozenset()
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or self.lm_head.softcap:
+            return self.shortlist_rows
+        copy_bytes = weight.numel() * 2
+        if psutil.virtual_memory().available < SHORTLIST_ROOM * copy_bytes:
+            log.info("no half-precision LM head: %d MiB of it would not fit", copy_bytes >> 20)
+            return self.shortlist_rows
+        shortlist = HalfShortlist(weight)
+        if not shortlist.kernel_sums_in_float32():
+            log.info(
+                "no half-precision LM head: this machine's float16 product is not exact enough"
+            )
+            return self.shortlist_rows
+        self.shortlist = shortlist
+        ratios: dict[int, float] = {}
+        with torch.inference_mode():
+            for rows in SHORTLIST_ROWS:
+                hidden = torch.randn(rows, weight.shape[1])
+                ratios[rows] = time_ratio(  # (no rows kept yet: greedy takes the float32 head)
+                    partial(_shortlisted, shortlist, self.final_norm, hidden),
+                    partial(self.greedy, hidden),
+                    timer,
+                    warm=HEAD_TUNE_WARM,
+                    reps=HEAD_TUNE_REPS,
+                )
+        self.shortlist_rows = frozenset(r for r, ratio in ratios.items() if ratio <= CLEARLY_FASTER)
+        if not self.shortlist_rows:
+            self.shortlist = None
+        log.info(
+            "greedy tokens of %s rows by a half-precision LM head (its time over float32's: %s)",
+            ",".join(map(str, sorted(self.shortlist_rows))) or "no",
+            ", ".join(f"{rows}: {ratio:.2f}" for rows, ratio in ratios.items()),
+        )
+        return self.shortlist_rows
 
     @cached_property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -206,7 +271,14 @@ def load_client_side(
     client.eval()
     client.requires_grad_(False)
     client.tune_lm_head()
+    client.tune_greedy()
     return client
+
+
+def _shortlisted(
+    shortlist: HalfShortlist, final_norm: nn.Module, hidden: torch.Tensor
+) -> torch.Tensor | None:
+    return shortlist.argmax(final_norm(hidden))
 
 
 def _embeddings(config: PretrainedConfig, family: Family) -> nn.Embedding:

@@ -79,7 +79,7 @@ def run_on_emulated_wan(
 def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
     """Seconds one decode token spends in each span (measured here as the servers run it: one
     torch thread, the passes compiled where theirs are) and in the client's own part
-    (embedding, final norm, LM head)."""
+    (embedding, final norm, LM head and the greedy pick, as the bench's generations decode)."""
     import torch
 
     import blocks
@@ -98,7 +98,7 @@ def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
     with torch.inference_mode():
         for _ in range(20):
             started = time.perf_counter()
-            client_side.logits(client_side.embed(ids))
+            client_side.greedy(client_side.embed(ids)[:, -1])
             times.append(time.perf_counter() - started)
     return spans, statistics.median(times)
 

@@ -133,9 +133,13 @@ class Generator:
     def _sample_rows(self, requests: list[_NextToken]) -> list[torch.Tensor]:
         """The next token of each request, with one LM-head pass over all their rows."""
         torch_threads.apply(sum(r.hidden.shape[0] for r in requests))
+        sizes = [r.hidden.shape[0] for r in requests]
         with torch.inference_mode():
-            logits = self.client.logits(torch.cat([r.hidden for r in requests]))
-            rows = logits.split([r.hidden.shape[0] for r in requests])
+            hidden = torch.cat([r.hidden for r in requests])
+            if all(_plain_greedy(r.params) for r in requests):
+                # Only the argmax is needed: the head may take its half-precision shortlist.
+                return list(self.client.greedy(hidden).split(sizes))
+            rows = self.client.logits(hidden).split(sizes)
             return [
                 sample(row, r.token_ids, r.params, r.generator)
                 for row, r in zip(rows, requests, strict=True)
@@ -248,6 +252,11 @@ class Generator:
                             return
         finally:
             session.micro_batch = None  # a session used on (a chat's next turn) starts ungrouped
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """The next token is the logits' argmax, as `sample` picks it without sampling or penalty."""
+    return not params.do_sample and params.repetition_penalty == 1.0
 
 
 def _on_cpus(session: InferenceSession) -> bool:
