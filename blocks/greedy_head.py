@@ -51,10 +51,6 @@ class HalfShortlist:
         self.half_error = (self.weight - self.half.float()).norm(dim=1)
         self.sum_error = self.weight.shape[1] * FLOAT32_UNIT
 
-    @property
-    def nbytes(self) -> int:
-        return self.half.numel() * self.half.element_size()
-
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Rows [n, hidden] (float32, after the final norm) -> the argmax of each row's float32
         logits [n]; None where the half-precision pass cannot bound them (non-finite values,
