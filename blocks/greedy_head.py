@@ -18,7 +18,7 @@ products exact in float32, summed in float32 over K = hidden terms, the sum roun
 
 with Euclidean norms. It holds only for a kernel that sums in float32 (torch's CPU float16
 matrix-vector product does); `HalfShortlist.kernel_sums_in_float32` checks that on sample rows
-against float64, and `blocks.client_side.ClientSide.tune_lm_head` keeps the shortlist only where
+against float64, and `blocks.client_side.ClientSide.tune_greedy` keeps the shortlist only where
 it passes and is clearly faster. A hidden row outside float16's range, or any non-finite value,
 takes the full float32 head.
 """
