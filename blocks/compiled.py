@@ -1,5 +1,6 @@
 """A span's passes as compiled graphs (torch.compile, inductor), on CPU: a session's one-token
-decode steps, and the first pass of its prompt.
+decode steps, the first pass of its prompt, and prompts after a past (a long prompt's later
+chunks, a chat's next turn).
 
 An eager decode step of a small model is mostly dispatch: a 10-block one-token pass of the
 default model runs ~1,100 torch operations, and on the 2-core development machine (2026-12-06,
@@ -16,15 +17,17 @@ and on the EPYC their graph took 100-160 s to compile (docs/blocks.md#compiled-p
 What is compiled is the span's own layers' lean forward (blocks.lean), called with a cache view
 that writes the pass's keys and values at a position the graph takes as an input. Shapes are
 dynamic (the session's cache length and its max_length, the prompt's length), so one compilation
-of each graph serves every session and position; both compile when a server loads its span
-(10-20 s on two cores, less with inductor's on-disk cache warm) and need a C++ compiler. Only
+of each graph serves every session and position; they compile when a server loads its span
+(10-30 s on two cores, less with inductor's on-disk cache warm) and need a C++ compiler. Only
 spans that can run them are compiled: CPU, unquantized, no LoRA adapters, layers of a lean family
-with one kind of attention. A pass of a single-sequence session whose layers need no mask runs
-compiled when it is one token with 2 or more positions cached, or a prompt of at least
-blocks.threads.PREFILL_ROWS tokens from position 0, and leaves the cache room for 1 more;
-everything else (merged steps of several sessions, short prompts, later chunks of a long one, the
-last slot) runs eager as before. A pass that would need compiling again (a guard failed) runs
-eager instead: serving never stalls on a compilation.
+with one kind of attention. A pass of a single-sequence session runs compiled when it is one
+token with 2 or more positions cached and needs no mask, or a prompt of at least
+blocks.threads.PREFILL_ROWS tokens: from position 0 in the prompts' graph, after a past (a long
+prompt's later chunks, a chat's next turn) in the chunks' graph, which builds the causal mask
+itself; and it leaves the cache room for 1 more. Everything else (merged steps of several
+sessions, short prompts, a sliding window that binds, the last slot) runs eager as before. A pass
+that would need compiling again (a guard failed) runs eager instead: serving never stalls on a
+compilation.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ WARM_LENGTH = 251
 WARM_ROOM = 509
 WARM_PROMPT = 83
 # The graphs, in the order they compile (the first is the one a span needs to run compiled).
-KINDS = ("decode steps", "prompts")
+KINDS = ("decode steps", "prompts", "chunks")
 # Inductor's options for the decode steps' graph: the weights frozen into it as constants, and
 # each matrix product's kernel picked by timing inductor's own C++ template against torch's
 # BLAS call when it compiles (autotuning, not reported on stderr). A one-row product is
@@ -108,7 +111,8 @@ def unsupported(span: Any) -> str | None:
 
 
 class CompiledPasses:
-    """A span's compiled passes (a session's one-token steps, its prompt's first pass):
+    """A span's compiled passes (a session's one-token steps, its prompt's first pass, prompts
+    after a past):
     `__call__` runs one, or gives None where it must run eager (see the module's docstring)."""
 
     def __init__(self, span: Any) -> None:
@@ -116,7 +120,10 @@ class CompiledPasses:
         self.first = span.start
         self.kv_heads, self.head_dim = kv_shape(span.config)
         self.rotary = span.rotary
+        # A sliding window (Mistral's) as wide as the model's positions or none: masks are causal.
+        self.window: int | None = getattr(span.config, "sliding_window", None)
         self.prompts = False  # whether the prompts' graph compiled (warm_up)
+        self.chunks = False  # whether the chunks' graph compiled (warm_up)
         self.failures = 0
         # torch keeps compiled graphs with the code they came from, at most 8 per code object
         # (torch._dynamo.config.recompile_limit): with a code object of its own, each of a
@@ -124,12 +131,15 @@ class CompiledPasses:
         # a process may hold several).
         self._step: Callable[..., torch.Tensor] = self._compiled(STEP_OPTIONS)
         self._prompt: Callable[..., torch.Tensor] = self._compiled({})
+        self._chunk: Callable[..., torch.Tensor] = self._compiled({}, type(self)._run_masked)
 
-    def _compiled(self, options: dict[str, Any]) -> Callable[..., torch.Tensor]:
-        """`_run` under a code object of its own, compiled with inductor's `options`."""
-        run = types.FunctionType(
-            type(self)._run.__code__.replace(), globals(), "_run", None, None
-        ).__get__(self)
+    def _compiled(
+        self, options: dict[str, Any], method: Callable[..., torch.Tensor] | None = None
+    ) -> Callable[..., torch.Tensor]:
+        """`method` (`_run` by default) under a code object of its own, compiled with inductor's
+        `options`."""
+        code = (method or type(self)._run).__code__.replace()
+        run = types.FunctionType(code, globals(), code.co_name, None, None).__get__(self)
         return torch.compile(run, dynamic=True, fullgraph=True, options=options)
 
     def _run(
@@ -146,13 +156,34 @@ class CompiledPasses:
             hidden = layer(hidden, position_embeddings=(cos, sin), cache=cache)
         return hidden
 
+    def _run_masked(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        length: int,
+    ) -> torch.Tensor:
+        """`_run` for tokens after `length` cached ones: each attends to the cache and to itself
+        and the tokens before it (the causal mask transformers builds, made in the graph)."""
+        tokens = hidden.shape[1]
+        seen = torch.arange(length + tokens, device=hidden.device)
+        at = torch.arange(tokens, device=hidden.device) + length
+        mask = (seen[None, :] <= at[:, None])[None, None]
+        cache = _StepCache(keys, values, length, self.first)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin), cache=cache)
+        return hidden
+
     def warm_up(self, hidden_size: int, kind: str) -> float:
         """Compile the graph of a kind of pass (KINDS) now, on a scratch cache, with the thread
         count its passes run with (the kernels keep it); returns the seconds it took."""
         started = time.perf_counter()
         dtype = next(self.layers[0].parameters()).dtype
-        prompt = kind == "prompts"
-        tokens, length = (WARM_PROMPT, 0) if prompt else (1, WARM_LENGTH)
+        prompt = kind != "decode steps"  # a prompt from position 0, or a chunk after a past
+        length = 0 if kind == "prompts" else WARM_LENGTH
+        tokens = WARM_PROMPT if prompt else 1
         threads.apply(tokens)
         # Made in inference mode, as a session's caches are: the graph is guarded on it.
         with torch.inference_mode():
@@ -165,8 +196,10 @@ class CompiledPasses:
             if prompt:
                 torch._dynamo.mark_dynamic(hidden, 1)  # any prompt's length
             cos, sin = self.rotary(hidden, torch.arange(length, length + tokens)[None])
-            (self._prompt if prompt else self._step)(hidden, cos, sin, keys, values, length)
-        self.prompts = self.prompts or prompt
+            graph = {"prompts": self._prompt, "chunks": self._chunk}.get(kind, self._step)
+            graph(hidden, cos, sin, keys, values, length)
+        self.prompts = self.prompts or kind == "prompts"
+        self.chunks = self.chunks or kind == "chunks"
         return time.perf_counter() - started
 
     def __call__(
@@ -174,13 +207,18 @@ class CompiledPasses:
     ) -> torch.Tensor | None:
         keys, values = kv.keys, kv.values
         tokens = hidden.shape[1]
-        step = tokens == 1 and kv.length >= 2 and all(t is not None for t in (*keys, *values))
-        prompt = self.prompts and tokens >= threads.PREFILL_ROWS and kv.length == 0
+        cached = kv.length >= 2 and all(t is not None for t in (*keys, *values))
+        step = tokens == 1 and cached and inputs.get("attention_mask") is None
+        long = tokens >= threads.PREFILL_ROWS
+        prompt = self.prompts and long and kv.length == 0 and inputs.get("attention_mask") is None
+        # After a past, the mask transformers builds for a single unpadded sequence is the causal
+        # one (the chunks' graph builds it), unless a sliding window narrows it.
+        unwindowed = self.window is None or kv.length + tokens <= self.window
+        chunk = self.chunks and long and cached and unwindowed
         if (
             self.failures >= MAX_FAILURES
             or hidden.shape[0] != 1
-            or not (step or prompt)
-            or inputs.get("attention_mask") is not None
+            or not (step or prompt or chunk)
             or kv.length + tokens >= kv.max_length  # the last slot: the graphs are for before it
         ):
             return None
@@ -193,9 +231,8 @@ class CompiledPasses:
         # guarded on both): a server's decoded input is neither, a long prompt's chunk not dense.
         if not hidden.is_inference() or not hidden.is_contiguous():
             hidden = hidden.clone(memory_format=torch.contiguous_format)
-        return self._call(
-            self._prompt if prompt else self._step, hidden, cos, sin, keys, values, kv.length
-        )
+        graph = self._step if step else self._prompt if prompt else self._chunk
+        return self._call(graph, hidden, cos, sin, keys, values, kv.length)
 
     def _call(self, graph: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor | None:
         """`graph` on `args`, or None (logged, counted) where a guard failed (or worse): the
@@ -216,8 +253,8 @@ class CompiledPasses:
 
 def compile_span(span: Any) -> CompiledPasses | None:
     """A CompiledPasses of `span`, its graphs compiled and warm; None (logged) where it cannot
-    run here or its decode steps' graph failed to compile (a prompts' graph that fails leaves
-    prompts eager)."""
+    run here or its decode steps' graph failed to compile (a prompts' or chunks' graph that fails
+    leaves those passes eager)."""
     where = f"blocks {span.start}:{span.end}"
     why = unsupported(span)
     if why is not None:

@@ -63,54 +63,67 @@ def llama() -> Iterator[Span]:
     )
 
 
-def _steps(span: Span, max_length: int, prompt: int, seed: int) -> list[torch.Tensor]:
-    """The outputs of a session's prompt and then one-token steps up to its max_length. Every
-    other step's input is made outside inference mode, as a server's decoded inputs are."""
+def _steps(
+    span: Span, max_length: int, prompt: int, seed: int, turn: int = 0
+) -> list[torch.Tensor]:
+    """The outputs of a session's prompt and then one-token steps up to its max_length; with
+    `turn`, a second prompt of that many tokens after the first two steps (a chat's next turn).
+    Every other step's input is made outside inference mode, as a server's decoded inputs are."""
     generator = torch.Generator().manual_seed(seed)
     cache = MemoryCache(budget_tokens=4096)
     width = span.config.hidden_size
     with cache.open_session(1, max_length) as session:
         outputs = [span(torch.randn(1, prompt, width, generator=generator), session)]
-        for step in range(max_length - prompt):
+        step = 0
+        while session.position < max_length:
+            tokens = turn if turn and step == 2 else 1
             with torch.inference_mode(step % 2 == 0):
-                hidden = torch.randn(1, 1, width, generator=generator)
+                hidden = torch.randn(1, tokens, width, generator=generator)
             outputs.append(span(hidden, session))
+            step += 1
     return outputs
 
 
-def _compare(span: Span, max_length: int, prompt: int) -> int:
-    """Steps compiled against the same steps eager; how many ran compiled."""
+def _compare_graphs(span: Span, max_length: int, prompt: int, turn: int = 0) -> dict[str, int]:
+    """Passes compiled against the same passes eager; how many ran in each graph."""
     graph = span.compiled
     assert graph is not None
-    ran = 0
-    step, prompts = graph._step, graph._prompt
+    ran = dict.fromkeys(("step", "prompt", "chunk"), 0)
+    graphs = graph._step, graph._prompt, graph._chunk
 
-    def counting(run: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def counting(name: str, run: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def counted(*args: Any) -> torch.Tensor:
-            nonlocal ran
-            ran += 1
+            ran[name] += 1
             return run(*args)
 
         return counted
 
-    graph._step, graph._prompt = counting(step), counting(prompts)
+    graph._step, graph._prompt, graph._chunk = (
+        counting(name, run) for name, run in zip(ran, graphs, strict=True)
+    )
     try:
-        ours = _steps(span, max_length, prompt, seed=max_length)
+        ours = _steps(span, max_length, prompt, seed=max_length, turn=turn)
     finally:
-        graph._step, graph._prompt = step, prompts
+        graph._step, graph._prompt, graph._chunk = graphs
     span.compiled = None
     try:
-        eager = _steps(span, max_length, prompt, seed=max_length)
+        eager = _steps(span, max_length, prompt, seed=max_length, turn=turn)
     finally:
         span.compiled = graph
+    assert len(ours) == len(eager)
     for got, want in zip(ours, eager, strict=True):
         assert_close_scaled(got, want)
     return ran
 
 
+def _compare(span: Span, max_length: int, prompt: int) -> int:
+    """Steps compiled against the same steps eager; how many ran compiled."""
+    return sum(_compare_graphs(span, max_length, prompt).values())
+
+
 def test_compiled_steps_match_eager_for_any_length_and_room(llama: Span) -> None:
     graph = llama.compiled
-    assert graph is not None and graph.prompts
+    assert graph is not None and graph.prompts and graph.chunks
     # Rooms and prompts the warm-up never saw: one graph serves them all (no guard fails).
     for max_length, prompt in ((12, 3), (40, 17), (7, 2), (60, 33), (19, 18)):
         ran = _compare(llama, max_length, prompt)
@@ -125,12 +138,28 @@ def test_first_steps_short_and_later_prompts_run_eager(llama: Span) -> None:
     assert _compare(llama, 6, 1) == 6 - 1 - 2
     # A prompt that fills the cache (the last slot) runs eager.
     assert _compare(llama, 17, 17) == 0
-    # A long prompt in chunks: the first, from position 0, compiled; the others eager.
+    # A long prompt in chunks of 20, 20 and 5 tokens: the first in the prompts' graph, the
+    # second (after a past) in the chunks' graph, the third (under a prefill's rows) eager.
     llama.chunk_tokens = 20
     try:
-        assert _compare(llama, 50, 45) == 1 + 50 - 45 - 1
+        ran = _compare_graphs(llama, 50, 45)
     finally:
         llama.chunk_tokens = PREFILL_CHUNK_TOKENS
+    assert ran == {"prompt": 1, "chunk": 1, "step": 50 - 45 - 1}
+    assert llama.compiled is not None and llama.compiled.failures == 0
+
+
+@pytest.mark.parametrize(("prompt", "turn"), [(20, 17), (3, 40), (17, 16)])
+def test_prompts_after_a_past_run_compiled_with_the_causal_mask(
+    llama: Span, prompt: int, turn: int
+) -> None:
+    """A chat's next turn: a prompt, two steps, then `turn` tokens at once, each attending to
+    the cache and to the turn's tokens before it (a wrong mask shows in the outputs), then steps
+    to the cache's last slot."""
+    max_length = prompt + 2 + turn + 5
+    ran = _compare_graphs(llama, max_length, prompt, turn=turn)
+    assert ran["chunk"] == 1
+    assert ran["prompt"] == (prompt >= threads.PREFILL_ROWS)
     assert llama.compiled is not None and llama.compiled.failures == 0
 
 
@@ -169,6 +198,8 @@ def test_a_masked_step_runs_eager() -> None:
     )
     ran = _compare(span, 14, 3)
     assert 0 < ran < 14 - 3 - 1
+    # A next turn the window narrows (5 cached, 17 new, a window of 6) runs eager too.
+    assert _compare_graphs(span, 27, 3, turn=17)["chunk"] == 0
     assert span.compiled is not None and span.compiled.failures == 0
 
 
@@ -223,10 +254,10 @@ def test_the_flag_reaches_the_daemon_config(
 async def test_servers_with_compiled_spans_give_the_whole_models_outputs(
     tiny_llama: Path, whole: blocks.Span
 ) -> None:
-    """Three real BlockServers (tests/memnet.py) whose spans run compiled: a session's prompt
-    and steps, pushed hop to hop (inputs decoded from the wire, which the graphs take), and two
-    sessions at once (merged steps, eager), match the whole model; every server ran both
-    graphs and none failed."""
+    """Three real BlockServers (tests/memnet.py) whose spans run compiled: a session's prompt,
+    steps and next turn, pushed hop to hop (inputs decoded from the wire, which the graphs
+    take), and two sessions at once (merged steps, eager), match the whole model; every server
+    ran its graphs and none failed."""
     names = ["head", "mid", "tail"]
     calls = {name: 0 for name in names}
     spans = []
@@ -243,15 +274,17 @@ async def test_servers_with_compiled_spans_give_the_whole_models_outputs(
             return call
 
         graph._step, graph._prompt = counted(graph._step), counted(graph._prompt)
+        graph._chunk = counted(graph._chunk)
         spans.append((name, span))
-    alone = random_steps(4, (20, 1, 1, 1, 1, 1))
+    # A prompt, two steps, a next turn of 16 tokens (the chunks' graph), two more steps.
+    alone = random_steps(4, (20, 1, 1, 16, 1, 1))
     together = [random_steps(seed, (17, 1, 1, 1)) for seed in (5, 6)]
     outputs: dict[int, list[torch.Tensor]] = {}
     async with open_memnet() as net:
         for name, span in spans:
             net.serve(name, span)
         view = view_over(net)
-        async with InferenceSession(view, max_length=40) as session:
+        async with InferenceSession(view, max_length=48) as session:
             with trio.fail_after(60):
                 outputs[4] = [await session.step(hidden) for hidden in alone]
 
@@ -268,6 +301,6 @@ async def test_servers_with_compiled_spans_give_the_whole_models_outputs(
     for seed, steps in ((4, alone), (5, together[0]), (6, together[1])):
         expected = whole_output(whole, steps)
         assert_close_scaled(torch.cat(outputs[seed], dim=1), expected, rel=10 * REL)
-    # The lone session's prompt and its 4 steps past position 21 at least, on every server.
-    assert all(count >= 5 for count in calls.values()), calls
+    # The lone session's prompt, its turn and its 4 steps at least, on every server.
+    assert all(count >= 6 for count in calls.values()), calls
     assert all(span.compiled is not None and span.compiled.failures == 0 for _, span in spans)
