@@ -120,7 +120,8 @@ class CompiledPasses:
         self.first = span.start
         self.kv_heads, self.head_dim = kv_shape(span.config)
         self.rotary = span.rotary
-        # A sliding window (Mistral's) as wide as the model's positions or none: masks are causal.
+        # The layers' sliding window (Mistral's), if any: a chunk that reaches past it needs a
+        # narrower mask than the causal one the chunks' graph builds, and runs eager.
         self.window: int | None = getattr(span.config, "sliding_window", None)
         self.prompts = False  # whether the prompts' graph compiled (warm_up)
         self.chunks = False  # whether the chunks' graph compiled (warm_up)
