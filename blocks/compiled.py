@@ -32,6 +32,7 @@ compilation.
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import time
@@ -132,15 +133,16 @@ class CompiledPasses:
         # a process may hold several).
         self._step: Callable[..., torch.Tensor] = self._compiled(STEP_OPTIONS)
         self._prompt: Callable[..., torch.Tensor] = self._compiled({})
-        self._chunk: Callable[..., torch.Tensor] = self._compiled({}, type(self)._run_masked)
+        self._chunk: Callable[..., torch.Tensor] = functools.partial(
+            self._compiled({}), masked=True
+        )
 
-    def _compiled(
-        self, options: dict[str, Any], method: Callable[..., torch.Tensor] | None = None
-    ) -> Callable[..., torch.Tensor]:
-        """`method` (`_run` by default) under a code object of its own, compiled with inductor's
-        `options`."""
-        code = (method or type(self)._run).__code__.replace()
-        run = types.FunctionType(code, globals(), code.co_name, None, None).__get__(self)
+    def _compiled(self, options: dict[str, Any]) -> Callable[..., torch.Tensor]:
+        """`_run` under a code object of its own, compiled with inductor's `options`."""
+        method = type(self)._run
+        run = types.FunctionType(
+            method.__code__.replace(), globals(), "_run", method.__defaults__, None
+        ).__get__(self)
         return torch.compile(run, dynamic=True, fullgraph=True, options=options)
 
     def _run(
@@ -151,27 +153,18 @@ class CompiledPasses:
         keys: list[torch.Tensor],
         values: list[torch.Tensor],
         length: int,
+        masked: bool = False,
     ) -> torch.Tensor:
-        cache = _StepCache(keys, values, length, self.first)
-        for layer in self.layers:
-            hidden = layer(hidden, position_embeddings=(cos, sin), cache=cache)
-        return hidden
-
-    def _run_masked(
-        self,
-        hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        keys: list[torch.Tensor],
-        values: list[torch.Tensor],
-        length: int,
-    ) -> torch.Tensor:
-        """`_run` for tokens after `length` cached ones: each attends to the cache and to itself
-        and the tokens before it (the causal mask transformers builds, made in the graph)."""
-        tokens = hidden.shape[1]
-        seen = torch.arange(length + tokens, device=hidden.device)
-        at = torch.arange(tokens, device=hidden.device) + length
-        mask = (seen[None, :] <= at[:, None])[None, None]
+        """The layers on `hidden`, its keys and values written into the buffers at `length`.
+        `masked` (the chunks' graph): tokens after `length` cached ones, each attending to the
+        cache, to itself and to the tokens before it (the causal mask transformers builds, made
+        in the graph); else one token, or a prompt from position 0, which need no mask."""
+        mask = None
+        if masked:
+            tokens = hidden.shape[1]
+            seen = torch.arange(length + tokens, device=hidden.device)
+            at = torch.arange(tokens, device=hidden.device) + length
+            mask = (seen[None, :] <= at[:, None])[None, None]
         cache = _StepCache(keys, values, length, self.first)
         for layer in self.layers:
             hidden = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin), cache=cache)
