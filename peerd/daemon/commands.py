@@ -136,10 +136,10 @@ COMPILE = typer.Option(
     True,
     "--compile/--no-compile",
     envvar="PEERD_COMPILE",
-    help="Compile the span's decode steps and prompts' first passes on a CPU (torch.compile: "
-    "10-30 s at start, needs g++; faster passes), where they can run, and keep packed copies "
-    "of its weights for merged steps where that is faster (within --memory-budget). "
-    "docs/blocks.md#compiled-passes",
+    help="Compile the span's decode steps and prompts (first passes and after a past) on a CPU "
+    "(torch.compile: 10-30 s at start, needs g++; faster passes), where they can run, and keep "
+    "packed copies of its weights for merged steps where that is faster (within "
+    "--memory-budget). docs/blocks.md#compiled-passes",
 )
 PRIORITY = typer.Option(
     "standing",
