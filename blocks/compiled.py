@@ -1,6 +1,6 @@
 """A span's passes as compiled graphs (torch.compile, inductor), on CPU: a session's one-token
-decode steps, the first pass of its prompt, and prompts after a past (a long prompt's later
-chunks, a chat's next turn).
+decode steps, the first pass of its prompt, prompts after a past (a long prompt's later chunks,
+a chat's next turn), and merged decode steps of a few sessions.
 
 An eager decode step of a small model is mostly dispatch: a 10-block one-token pass of the
 default model runs ~1,100 torch operations, and on the 2-core development machine (2026-12-06,
@@ -11,8 +11,10 @@ prompt 39-41 ms against 44-49 (outputs within float rounding). The decode steps'
 freezes the weights into itself and picks each product's kernel by timing (STEP_OPTIONS): on the
 same machine's AMD EPYC successor, with torch's BLAS calls the compiled step was slower than
 eager (10.5 against 9.4 ms), with the picked kernels faster (6.8-7.7 against 8.6-9.5 ms).
-Merged steps of several sessions run eager: compiled, their products gained nothing on the Xeon,
-and on the EPYC their graph took 100-160 s to compile (docs/blocks.md#compiled-passes).
+Merged decode steps of 2-4 sessions run in a fourth graph, one layer's pass that every layer of
+the span runs (their weights are its inputs): on the EPYC a 4-row pass of 10 blocks took ~18 ms
+against ~22 eager, and it compiles in seconds, where a whole span's merged graph took 60-160 s
+(docs/blocks.md#compiled-passes).
 
 What is compiled is the span's own layers' lean forward (blocks.lean), called with a cache view
 that writes the pass's keys and values at a position the graph takes as an input. Shapes are
@@ -24,8 +26,11 @@ with one kind of attention. A pass of a single-sequence session runs compiled wh
 token with 2 or more positions cached and needs no mask, or a prompt of at least
 blocks.threads.PREFILL_ROWS tokens: from position 0 in the prompts' graph, after a past (a long
 prompt's later chunks, a chat's next turn) in the chunks' graph, which builds the causal mask
-itself; and it leaves the cache room for 1 more. Everything else (merged steps of several
-sessions, short prompts, a sliding window that binds, the last slot) runs eager as before. A pass
+itself; and it leaves the cache room for 1 more. Merged one-token steps of 2-4 single-sequence
+sessions, each with 2 or more positions cached and short of its last slot, run in the merged
+steps' graph, which writes each row into its own session's buffers and builds each row's mask.
+Everything else (merged steps of more sessions or of prompts, padded sessions, short prompts, a
+sliding window that binds, the last slot) runs eager as before. A pass
 that would need compiling again (a guard failed) runs eager instead: serving never stalls on a
 compilation.
 """
@@ -56,7 +61,17 @@ WARM_LENGTH = 251
 WARM_ROOM = 509
 WARM_PROMPT = 83
 # The graphs, in the order they compile (the first is the one a span needs to run compiled).
-KINDS = ("decode steps", "prompts", "chunks")
+KINDS = ("decode steps", "prompts", "chunks", "merged steps")
+# Merged decode steps of 2 to this many sessions (one token each) run in the merged steps' graph,
+# fewer rows filled up with scratch rows (zeros, each with a small cache of its own): one graph,
+# not one per row count.
+MERGED_ROWS = 4
+# The warm-up's merged rows: positions held and room per row, primes distinct from each other
+# and from the single session's (so torch takes none of them for another, fixed).
+WARM_MERGED = ((241, 503), (239, 499), (233, 491), (229, 487))
+# A scratch row's cache: its room and the position it writes (its output is dropped).
+SCRATCH_ROOM = 7
+SCRATCH_AT = 3
 # Inductor's options for the decode steps' graph: the weights frozen into it as constants, and
 # each matrix product's kernel picked by timing inductor's own C++ template against torch's
 # BLAS call when it compiles (autotuning, not reported on stderr). A one-row product is
@@ -87,6 +102,31 @@ class _StepCache:
         return write_step(self.keys[i], self.values[i], key, value, self.length)
 
 
+class _MergedCache:
+    """`cache.update` for the merged steps' graph (one layer's pass): each row's one step
+    written into its own session's buffers of this layer, and every row's keys and values
+    returned padded to `width` (the mask hides the padding; no row ends at `width`, so the
+    graph never depends on which row is the longest)."""
+
+    def __init__(
+        self, keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int], width: int
+    ) -> None:
+        self.keys, self.values, self.lengths, self.width = keys, values, lengths, width
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, *_: object, **__: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        padded_keys, padded_values = [], []
+        for row, length in enumerate(self.lengths):
+            keys, values = write_step(
+                self.keys[row], self.values[row], key[row : row + 1], value[row : row + 1], length
+            )
+            pad = (0, 0, 0, self.width - length - 1)
+            padded_keys.append(torch.nn.functional.pad(keys, pad))
+            padded_values.append(torch.nn.functional.pad(values, pad))
+        return torch.cat(padded_keys), torch.cat(padded_values)
+
+
 def kv_shape(config: Any) -> tuple[int, int]:
     """(key heads, head width) of a Llama-shaped model's layers."""
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -113,7 +153,7 @@ def unsupported(span: Any) -> str | None:
 
 class CompiledPasses:
     """A span's compiled passes (a session's one-token steps, its prompt's first pass, prompts
-    after a past):
+    after a past, merged steps: `run_merged`):
     `__call__` runs one, or gives None where it must run eager (see the module's docstring)."""
 
     def __init__(self, span: Any) -> None:
@@ -126,7 +166,9 @@ class CompiledPasses:
         self.window: int | None = getattr(span.config, "sliding_window", None)
         self.prompts = False  # whether the prompts' graph compiled (warm_up)
         self.chunks = False  # whether the chunks' graph compiled (warm_up)
+        self.merged_steps = False  # whether the merged steps' graph compiled (warm_up)
         self.failures = 0
+        self._scratch: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
         # torch keeps compiled graphs with the code they came from, at most 8 per code object
         # (torch._dynamo.config.recompile_limit): with a code object of its own, each of a
         # span's graphs is its own and goes with it (a server that moves compiles its new span;
@@ -136,12 +178,18 @@ class CompiledPasses:
         self._chunk: Callable[..., torch.Tensor] = functools.partial(
             self._compiled({}), masked=True
         )
+        # One layer's pass, the same graph for every layer (their weights are its inputs, not
+        # constants): it compiles in seconds, where the span's whole merged pass took 60-110 s.
+        self._merged: Callable[..., torch.Tensor] = self._compiled({}, type(self)._merged_layer)
 
-    def _compiled(self, options: dict[str, Any]) -> Callable[..., torch.Tensor]:
-        """`_run` under a code object of its own, compiled with inductor's `options`."""
-        method = type(self)._run
+    def _compiled(
+        self, options: dict[str, Any], method: Callable[..., torch.Tensor] | None = None
+    ) -> Callable[..., torch.Tensor]:
+        """`method` (`_run`) under a code object of its own, compiled with inductor's
+        `options`."""
+        method = method or type(self)._run
         run = types.FunctionType(
-            method.__code__.replace(), globals(), "_run", method.__defaults__, None
+            method.__code__.replace(), globals(), method.__name__, method.__defaults__, None
         ).__get__(self)
         return torch.compile(run, dynamic=True, fullgraph=True, options=options)
 
@@ -170,11 +218,50 @@ class CompiledPasses:
             hidden = layer(hidden, attention_mask=mask, position_embeddings=(cos, sin), cache=cache)
         return hidden
 
+    def _merged_layer(
+        self,
+        layer: torch.nn.Module,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        lengths: list[int],
+        width: int,
+    ) -> torch.Tensor:
+        """`layer` on `hidden` [rows, 1, hidden]: row r one step of its own session, whose
+        buffers of this layer are keys[r] and values[r], after lengths[r] cached positions."""
+        cache = _MergedCache(keys, values, lengths, width)
+        return layer(hidden, attention_mask=mask, position_embeddings=(cos, sin), cache=cache)
+
+    def _run_merged(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kvs: list[tuple[list[torch.Tensor], list[torch.Tensor]]],
+        lengths: list[int],
+    ) -> torch.Tensor:
+        """The layers on merged rows, layer by layer in the merged steps' graph; each row
+        attends to its own cache and itself (the mask hides the rest)."""
+        width = max(lengths) + 2
+        limits = torch.tensor(lengths, device=hidden.device)
+        seen = torch.arange(width, device=hidden.device)
+        mask = (seen[None, :] <= limits[:, None])[:, None, None, :]
+        for i, layer in enumerate(self.layers):
+            keys, values = [k[i] for k, _ in kvs], [v[i] for _, v in kvs]
+            hidden = self._merged(layer, hidden, cos, sin, mask, keys, values, lengths, width)
+        return hidden
+
     def warm_up(self, hidden_size: int, kind: str) -> float:
         """Compile the graph of a kind of pass (KINDS) now, on a scratch cache, with the thread
         count its passes run with (the kernels keep it); returns the seconds it took."""
         started = time.perf_counter()
         dtype = next(self.layers[0].parameters()).dtype
+        if kind == "merged steps":
+            self._warm_up_merged(hidden_size, dtype)
+            return time.perf_counter() - started
         prompt = kind != "decode steps"  # a prompt from position 0, or a chunk after a past
         length = 0 if kind == "prompts" else WARM_LENGTH
         tokens = WARM_PROMPT if prompt else 1
@@ -195,6 +282,61 @@ class CompiledPasses:
         self.prompts = self.prompts or kind == "prompts"
         self.chunks = self.chunks or kind == "chunks"
         return time.perf_counter() - started
+
+    def _buffers(
+        self, room: int, dtype: torch.dtype, device: torch.device | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A session's key and value buffers (zeros) for this span's layers, `room` positions."""
+        shape = (1, self.kv_heads, room, self.head_dim)
+        keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        return keys, [torch.zeros_like(k) for k in keys]
+
+    def _warm_up_merged(self, hidden_size: int, dtype: torch.dtype) -> None:
+        threads.apply(MERGED_ROWS)
+        with torch.inference_mode():
+            kvs = [self._buffers(room, dtype) for _, room in WARM_MERGED]
+            for keys, values in kvs:
+                for buffer in (*keys, *values):
+                    torch._dynamo.mark_dynamic(buffer, 2)  # any session's max_length
+            lengths = [length for length, _ in WARM_MERGED]
+            hidden = torch.zeros(MERGED_ROWS, 1, hidden_size, dtype=dtype)
+            cos, sin = self.rotary(hidden, torch.tensor(lengths)[:, None])
+            self._run_merged(hidden, cos, sin, kvs, lengths)
+        self.merged_steps = True
+
+    def run_merged(
+        self, hidden: torch.Tensor, kvs: list[KVCache], inputs: dict[str, Any]
+    ) -> torch.Tensor | None:
+        """Merged one-token steps of 2..MERGED_ROWS sessions (row r of `hidden` continues
+        kvs[r]) in the merged steps' graph, or None where they must run eager: a row with fewer
+        than 2 positions cached or at its last slot, a sliding window that binds, more rows."""
+        rows = hidden.shape[0]
+        lengths = [kv.length for kv in kvs]
+        if (
+            not self.merged_steps
+            or self.failures >= MAX_FAILURES
+            or not 2 <= rows <= MERGED_ROWS
+            or hidden.shape[1] != 1
+            or len(kvs) != rows
+            or any(kv.length < 2 or kv.length + 1 >= kv.max_length for kv in kvs)
+            or any(t is None for kv in kvs for t in (*kv.keys, *kv.values))
+            or (self.window is not None and max(lengths) + 1 > self.window)
+        ):
+            return None
+        while len(self._scratch) < MERGED_ROWS - 2:
+            self._scratch.append(self._buffers(SCRATCH_ROOM, hidden.dtype, hidden.device))
+        buffers = [(kv.keys, kv.values) for kv in kvs] + self._scratch[: MERGED_ROWS - rows]
+        lengths += [SCRATCH_AT] * (MERGED_ROWS - rows)
+        cos, sin = inputs["position_embeddings"]
+        if rows < MERGED_ROWS:
+            filler = MERGED_ROWS - rows
+            hidden = torch.cat([hidden, hidden.new_zeros(filler, *hidden.shape[1:])])
+            cos = torch.cat([cos, cos[-1:].expand(filler, *cos.shape[1:])])
+            sin = torch.cat([sin, sin[-1:].expand(filler, *sin.shape[1:])])
+        # A failed layer leaves the rows' caches written up to it at their lengths, which the
+        # eager pass then writes again.
+        output = self._call(self._run_merged, hidden, cos, sin, buffers, lengths)
+        return None if output is None else output[:rows]
 
     def __call__(
         self, hidden: torch.Tensor, kv: KVCache, inputs: dict[str, Any]

@@ -1,7 +1,8 @@
-"""blocks.compiled: a span's one-token decode steps as one compiled graph give what the eager
-forward gives, step after step through the session's cache (which the graph writes), for any
-session length and room; what it cannot run (a masked step, the last slot, prompts, merged
-steps, a failed guard) runs eager; spans it cannot compile say why and serve eager."""
+"""blocks.compiled: a span's one-token decode steps, prompts and merged steps of a few sessions
+as compiled graphs give what the eager forward gives, step after step through the sessions'
+caches (which the graphs write), for any session length and room; what they cannot run (a
+masked step, the last slot, short prompts, a failed guard) runs eager; spans it cannot compile
+say why and serve eager."""
 
 from __future__ import annotations
 
@@ -163,6 +164,68 @@ def test_prompts_after_a_past_run_compiled_with_the_causal_mask(
     assert llama.compiled is not None and llama.compiled.failures == 0
 
 
+def _merged_steps(span: Span, sessions: list[tuple[int, int]], rounds: int) -> list[torch.Tensor]:
+    """Outputs of sessions (prompt, max_length) that prefill alone, then step together in
+    merged forwards (Span.forward_batch) for `rounds` rounds, a session leaving the merge once
+    its cache is full, so the row counts fall; every other round's inputs made outside
+    inference mode, as a server's decoded inputs are."""
+    generator = torch.Generator().manual_seed(len(sessions) * rounds)
+    width = span.config.hidden_size
+    cache = MemoryCache(budget_tokens=4096)
+    opened = [cache.open_session(1, max_length) for _, max_length in sessions]
+    outputs = []
+    for (prompt, _), session in zip(sessions, opened, strict=True):
+        outputs.append(span(torch.randn(1, prompt, width, generator=generator), session))
+    for round_ in range(rounds):
+        live = [s for s in opened if s.position < s.max_length]
+        with torch.inference_mode(round_ % 2 == 0):
+            steps = [(torch.randn(1, 1, width, generator=generator), s) for s in live]
+        outputs.extend(span.forward_batch(steps))
+    for session in opened:
+        session.close()
+    return outputs
+
+
+def _compare_merged(span: Span, sessions: list[tuple[int, int]], rounds: int) -> int:
+    """Merged steps compiled against the same steps eager (_merged_steps); how many merged
+    forwards ran in the merged steps' graph."""
+    graph = span.compiled
+    assert graph is not None and graph.merged_steps
+    merged = graph._run_merged
+    ran = 0
+
+    def counted(*args: Any) -> torch.Tensor:
+        nonlocal ran
+        ran += 1
+        return merged(*args)
+
+    graph._run_merged = counted  # type: ignore[method-assign]
+    try:
+        ours = _merged_steps(span, sessions, rounds)
+    finally:
+        graph._run_merged = merged  # type: ignore[method-assign]
+    span.compiled = None
+    try:
+        eager = _merged_steps(span, sessions, rounds)
+    finally:
+        span.compiled = graph
+    for got, want in zip(ours, eager, strict=True):
+        assert_close_scaled(got, want)
+    assert graph.failures == 0
+    return ran
+
+
+def test_merged_steps_run_in_their_graph_and_match_eager(llama: Span) -> None:
+    """Merged steps of 4, 3 and 2 sessions of different pasts and rooms run in the merged
+    steps' graph (fewer than its rows filled up with scratch rows) and match eager; a merge
+    with a row at its last slot, or one with under 2 positions cached, runs eager."""
+    # Caches full after rounds 5, 10, 15 and 37: 4 rows, then 3, 2 and one (not merged). The
+    # rounds with every row short of its last slot: 5 of 4 rows, 4 of 3 and 4 of 2.
+    assert _compare_merged(llama, [(3, 9), (5, 16), (8, 24), (2, 40)], rounds=20) == 5 + 4 + 4
+    # The round at position 1 runs eager, the two after it compiled.
+    assert _compare_merged(llama, [(1, 9), (4, 9)], rounds=3) == 2
+
+
 def test_a_failed_compiled_step_runs_eager_and_three_stop_it(llama: Span) -> None:
     graph = llama.compiled
     assert graph is not None
@@ -200,6 +263,8 @@ def test_a_masked_step_runs_eager() -> None:
     assert 0 < ran < 14 - 3 - 1
     # A next turn the window narrows (5 cached, 17 new, a window of 6) runs eager too.
     assert _compare_graphs(span, 27, 3, turn=17)["chunk"] == 0
+    # Merged steps: compiled while every row's past and step fit the window (2 rounds).
+    assert _compare_merged(span, [(3, 12), (4, 12)], rounds=8) == 2
     assert span.compiled is not None and span.compiled.failures == 0
 
 

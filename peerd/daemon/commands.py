@@ -136,9 +136,10 @@ COMPILE = typer.Option(
     True,
     "--compile/--no-compile",
     envvar="PEERD_COMPILE",
-    help="Compile the span's decode steps and prompts (first passes and after a past) on a CPU "
-    "(torch.compile: 10-30 s at start, needs g++; faster passes), where they can run, and keep "
-    "packed copies of its weights for merged steps where that is faster (within "
+    help="Compile the span's decode steps, merged steps of 2-4 sessions and prompts (first passes "
+    "and after a past) on a CPU (torch.compile: 10-40 s at start, needs g++; faster passes), "
+    "where they can run, and keep packed copies of its weights for merged steps of 5-15 "
+    "sessions where that is faster (within "
     "--memory-budget). docs/blocks.md#compiled-passes",
 )
 PRIORITY = typer.Option(
