@@ -179,7 +179,7 @@ class CompiledPasses:
             self._compiled({}), masked=True
         )
         # One layer's pass, the same graph for every layer (their weights are its inputs, not
-        # constants): it compiles in seconds, where the span's whole merged pass took 60-110 s.
+        # constants): it compiles in seconds, where the span's whole merged pass took 60-125 s.
         self._merged: Callable[..., torch.Tensor] = self._compiled({}, type(self)._merged_layer)
 
     def _compiled(
