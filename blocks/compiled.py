@@ -268,9 +268,7 @@ class CompiledPasses:
         threads.apply(tokens)
         # Made in inference mode, as a session's caches are: the graph is guarded on it.
         with torch.inference_mode():
-            room = (1, self.kv_heads, WARM_ROOM, self.head_dim)
-            keys = [torch.zeros(room, dtype=dtype) for _ in self.layers]
-            values = [torch.zeros_like(k) for k in keys]
+            keys, values = self._buffers(WARM_ROOM, dtype)
             for buffer in (*keys, *values):
                 torch._dynamo.mark_dynamic(buffer, 2)  # any session's max_length
             hidden = torch.zeros(1, tokens, hidden_size, dtype=dtype)
