@@ -268,9 +268,7 @@ class CompiledPasses:
         threads.apply(tokens)
         # Made in inference mode, as a session's caches are: the graph is guarded on it.
         with torch.inference_mode():
-            keys, values = self._buffers(WARM_ROOM, dtype)
-            for buffer in (*keys, *values):
-                torch._dynamo.mark_dynamic(buffer, 2)  # any session's max_length
+            keys, values = self._buffers(WARM_ROOM, dtype, dynamic=True)
             hidden = torch.zeros(1, tokens, hidden_size, dtype=dtype)
             if prompt:
                 torch._dynamo.mark_dynamic(hidden, 1)  # any prompt's length
@@ -282,20 +280,26 @@ class CompiledPasses:
         return time.perf_counter() - started
 
     def _buffers(
-        self, room: int, dtype: torch.dtype, device: torch.device | None = None
+        self,
+        room: int,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
+        dynamic: bool = False,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """A session's key and value buffers (zeros) for this span's layers, `room` positions."""
+        """A session's key and value buffers (zeros) for this span's layers, `room` positions;
+        `dynamic` (a warm-up's): a graph compiled on them takes any session's room."""
         shape = (1, self.kv_heads, room, self.head_dim)
         keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
-        return keys, [torch.zeros_like(k) for k in keys]
+        values = [torch.zeros_like(k) for k in keys]
+        if dynamic:
+            for buffer in (*keys, *values):
+                torch._dynamo.mark_dynamic(buffer, 2)
+        return keys, values
 
     def _warm_up_merged(self, hidden_size: int, dtype: torch.dtype) -> None:
         threads.apply(MERGED_ROWS)
         with torch.inference_mode():
-            kvs = [self._buffers(room, dtype) for _, room in WARM_MERGED]
-            for keys, values in kvs:
-                for buffer in (*keys, *values):
-                    torch._dynamo.mark_dynamic(buffer, 2)  # any session's max_length
+            kvs = [self._buffers(room, dtype, dynamic=True) for _, room in WARM_MERGED]
             lengths = [length for length, _ in WARM_MERGED]
             hidden = torch.zeros(MERGED_ROWS, 1, hidden_size, dtype=dtype)
             cos, sin = self.rotary(hidden, torch.tensor(lengths)[:, None])
@@ -303,11 +307,12 @@ class CompiledPasses:
         self.merged_steps = True
 
     def run_merged(
-        self, hidden: torch.Tensor, kvs: list[KVCache], inputs: dict[str, Any]
+        self, hidden: torch.Tensor, kvs: list[KVCache], positions: torch.Tensor
     ) -> torch.Tensor | None:
         """Merged one-token steps of 2..MERGED_ROWS sessions (row r of `hidden` continues
-        kvs[r]) in the merged steps' graph, or None where they must run eager: a row with fewer
-        than 2 positions cached or at its last slot, a sliding window that binds, more rows."""
+        kvs[r], at positions[r, 0]) in the merged steps' graph, or None where they must run
+        eager: a row with fewer than 2 positions cached or at its last slot, a sliding window
+        that binds, more rows."""
         rows = hidden.shape[0]
         lengths = [kv.length for kv in kvs]
         if (
@@ -325,7 +330,7 @@ class CompiledPasses:
             self._scratch.append(self._buffers(SCRATCH_ROOM, hidden.dtype, hidden.device))
         buffers = [(kv.keys, kv.values) for kv in kvs] + self._scratch[: MERGED_ROWS - rows]
         lengths += [SCRATCH_AT] * (MERGED_ROWS - rows)
-        cos, sin = inputs["position_embeddings"]
+        cos, sin = self.rotary(hidden, positions)
         if rows < MERGED_ROWS:
             filler = MERGED_ROWS - rows
             hidden = torch.cat([hidden, hidden.new_zeros(filler, *hidden.shape[1:])])

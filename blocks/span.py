@@ -278,20 +278,22 @@ class Span(nn.Module):
                 hidden[row : row + h.shape[0], : h.shape[1]] = h
                 row += h.shape[0]
         past = torch.tensor([kv.length for h, kv, _ in parts for _ in range(h.shape[0])])
+        if self.compiled is not None and all(
+            h.shape[:2] == (1, 1) and not any(padding) for h, _, padding in parts
+        ):
+            # The merged steps' graph builds its own masks: it takes only the rows' positions.
+            positions = past[:, None].to(self.device)
+            merged = self.compiled.run_merged(hidden, [kv for _, kv, _ in parts], positions)
+            if merged is not None:
+                for _, kv, _ in parts:
+                    kv.length += 1
+                return list(merged.split(1))
         pads = torch.tensor([pad for _, _, padding in parts for pad in padding])
         # Layers of several kinds narrow the masks to their own window (family.masked_inputs).
         uniform = self.family.layer_kinds is None
         window = getattr(self.config, "sliding_window", None) if uniform else None
         masks = RowMasks.build(past.to(self.device), pads.to(self.device), queries, keys, window)
         inputs = self.family.masked_inputs(self.config, self.rotary, hidden, masks)
-        if self.compiled is not None and all(
-            h.shape[:2] == (1, 1) and not any(padding) for h, _, padding in parts
-        ):
-            merged = self.compiled.run_merged(hidden, [kv for _, kv, _ in parts], inputs)
-            if merged is not None:
-                for _, kv, _ in parts:
-                    kv.length += 1
-                return list(merged.split(1))
         cache = {
             self.family.cache_kwarg: _RowsKV(
                 [(kv, h.shape[0], h.shape[1]) for h, kv, _ in parts], keys
