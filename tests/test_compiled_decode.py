@@ -85,36 +85,48 @@ def _steps(
     return outputs
 
 
-def _compare_graphs(span: Span, max_length: int, prompt: int, turn: int = 0) -> dict[str, int]:
-    """Passes compiled against the same passes eager; how many ran in each graph."""
+def _against_eager(
+    span: Span, graphs: tuple[str, ...], run: Callable[[], list[torch.Tensor]]
+) -> dict[str, int]:
+    """`run`'s outputs with the span's compiled passes against the same run eager; how many
+    passes ran in each of `graphs` (CompiledPasses attributes, counted without the "_")."""
     graph = span.compiled
     assert graph is not None
-    ran = dict.fromkeys(("step", "prompt", "chunk"), 0)
-    graphs = graph._step, graph._prompt, graph._chunk
+    ran = {name.lstrip("_"): 0 for name in graphs}
+    originals = {name: getattr(graph, name) for name in graphs}
 
-    def counting(name: str, run: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def counting(name: str, fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def counted(*args: Any) -> torch.Tensor:
-            ran[name] += 1
-            return run(*args)
+            ran[name.lstrip("_")] += 1
+            return fn(*args)
 
         return counted
 
-    graph._step, graph._prompt, graph._chunk = (
-        counting(name, run) for name, run in zip(ran, graphs, strict=True)
-    )
+    for name, fn in originals.items():
+        setattr(graph, name, counting(name, fn))
     try:
-        ours = _steps(span, max_length, prompt, seed=max_length, turn=turn)
+        ours = run()
     finally:
-        graph._step, graph._prompt, graph._chunk = graphs
+        for name, fn in originals.items():
+            setattr(graph, name, fn)
     span.compiled = None
     try:
-        eager = _steps(span, max_length, prompt, seed=max_length, turn=turn)
+        eager = run()
     finally:
         span.compiled = graph
     assert len(ours) == len(eager)
     for got, want in zip(ours, eager, strict=True):
         assert_close_scaled(got, want)
     return ran
+
+
+def _compare_graphs(span: Span, max_length: int, prompt: int, turn: int = 0) -> dict[str, int]:
+    """Passes compiled against the same passes eager; how many ran in each graph."""
+    return _against_eager(
+        span,
+        ("_step", "_prompt", "_chunk"),
+        lambda: _steps(span, max_length, prompt, seed=max_length, turn=turn),
+    )
 
 
 def _compare(span: Span, max_length: int, prompt: int) -> int:
@@ -191,28 +203,9 @@ def _compare_merged(span: Span, sessions: list[tuple[int, int]], rounds: int) ->
     forwards ran in the merged steps' graph."""
     graph = span.compiled
     assert graph is not None and graph.merged_steps
-    merged = graph._run_merged
-    ran = 0
-
-    def counted(*args: Any) -> torch.Tensor:
-        nonlocal ran
-        ran += 1
-        return merged(*args)
-
-    graph._run_merged = counted  # type: ignore[method-assign]
-    try:
-        ours = _merged_steps(span, sessions, rounds)
-    finally:
-        graph._run_merged = merged  # type: ignore[method-assign]
-    span.compiled = None
-    try:
-        eager = _merged_steps(span, sessions, rounds)
-    finally:
-        span.compiled = graph
-    for got, want in zip(ours, eager, strict=True):
-        assert_close_scaled(got, want)
+    ran = _against_eager(span, ("_run_merged",), lambda: _merged_steps(span, sessions, rounds))
     assert graph.failures == 0
-    return ran
+    return ran["run_merged"]
 
 
 def test_merged_steps_run_in_their_graph_and_match_eager(llama: Span) -> None:
