@@ -18,13 +18,17 @@ from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 
-from peerd.node import yamux_credit
+from peerd.node import yamux_credit, yamux_writes
 from peerd.node.multiselect import pipeline_negotiation
 
 # py-libp2p's yamux answers most reads of a small message with a WINDOW_UPDATE frame; credit is
 # released the go-yamux way instead, once half the window is read (peerd.node.yamux_credit): one
 # frame (an encryption and a socket write) less per message of a decode step on both ends.
 yamux_credit.install()
+# Frames queued on a connection while another is written go out with the next write, one Noise
+# message and socket write for a micro-batch's steps or a merged forward's replies
+# (peerd.node.yamux_writes).
+yamux_writes.install()
 
 # Seconds a dial (direct or through a relay) may take before the next address is tried.
 DIAL_TIMEOUT_S = 5.0
