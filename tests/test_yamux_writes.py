@@ -83,6 +83,23 @@ async def test_frames_queued_during_a_write_go_out_together_in_order() -> None:
     assert (box.writes, box.frames_written, box.frames) == (2, 4, [])
 
 
+async def test_a_write_carries_frames_up_to_group_bytes_and_a_larger_first_frame_alone() -> None:
+    conn, errors = _Conn(), []
+    big = yamux_writes.GROUP_BYTES * 3 // 4
+    queued = (b"a" * big, b"b" * big, b"c" * 10)
+    with trio.fail_after(10):  # a write the test forgot to let through fails it
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_write, conn, b"first", errors)
+            await wait_all_tasks_blocked()
+            for frame in queued:
+                nursery.start_soon(_write, conn, frame, errors)
+                await wait_all_tasks_blocked()
+            for _ in range(3):
+                await conn.secured_conn.let_one_through()
+    assert conn.secured_conn.writes == [b"first", queued[0], queued[1] + queued[2]]
+    assert errors == []
+
+
 async def test_a_cancelled_writer_takes_its_queued_frame_back() -> None:
     conn, errors = _Conn(), []
     scope = trio.CancelScope()

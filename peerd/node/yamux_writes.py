@@ -6,8 +6,9 @@ each frame is one Noise encryption, one socket write and, at the other end, one 
 one decryption. The frames of one connection often come at once: the four sessions of a client's
 micro-batch send their steps to the same first server, and a server answers the sessions of one
 merged forward on their own streams of the same client connection. `install()` replaces
-`_write_frame` with one that queues each frame and lets the holder of the write lock send every
-frame queued by then as one write (order kept: frames leave in the order they were queued). A
+`_write_frame` with one that queues each frame and lets the holder of the write lock send the
+frames queued by then as one write (up to GROUP_BYTES; order kept: frames leave in the order they
+were queued). A
 frame whose writer is cancelled before a write takes it is taken back, as before it was never
 written; one already carried by a write is sent whatever becomes of its writer. A failed write
 fails every frame it carried.
@@ -25,8 +26,8 @@ import trio
 from libp2p.io.exceptions import IOException
 from libp2p.stream_muxer.yamux.yamux import Yamux
 
-# A write carries at most this many bytes of queued frames (one frame more when the first is
-# larger): a prompt's frames are already large, and joining them would only copy them.
+# A write carries queued frames of at most this many bytes in all (a first frame larger than that
+# goes alone): a prompt's frames are already large, and joining them would only copy them.
 GROUP_BYTES = 256 << 10
 
 
