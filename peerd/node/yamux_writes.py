@@ -8,10 +8,9 @@ micro-batch send their steps to the same first server, and a server answers the 
 merged forward on their own streams of the same client connection. `install()` replaces
 `_write_frame` with one that queues each frame and lets the holder of the write lock send the
 frames queued by then as one write (up to GROUP_BYTES; order kept: frames leave in the order they
-were queued). A
-frame whose writer is cancelled before a write takes it is taken back, as before it was never
-written; one already carried by a write is sent whatever becomes of its writer. A failed write
-fails every frame it carried.
+were queued). A frame whose writer is cancelled before a write takes it is taken back, as before
+it was never written; one already carried by a write is sent whatever becomes of its writer. A
+failed write fails every frame it carried.
 
 It also skips the per-frame debug line py-libp2p formats (an f-string built for every frame,
 logged or not).
@@ -41,7 +40,7 @@ class _Frame:
 class _Outbox:
     def __init__(self) -> None:
         self.frames: list[_Frame] = []
-        self.writes = 0  # how many writes carried frames (a test's view of the grouping)
+        self.writes = 0  # how many writes carried frames (the grouping as tests and probes see it)
         self.frames_written = 0
 
 
