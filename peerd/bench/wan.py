@@ -29,6 +29,11 @@ RATE_MBIT = 100.0
 # to find each other at once, rarely enough that four daemons' DHT work on two cores does not
 # land in the middle of the tokens being timed (as `peerd bench batch`).
 REFRESH_S = 30.0
+# The floor's span compute: the median of FLOOR_STEPS decode steps after a prompt of FLOOR_PAST
+# tokens (about the bench prompt's length) and FLOOR_WARM_UP steps not timed.
+FLOOR_STEPS = 40
+FLOOR_PAST = 64
+FLOOR_WARM_UP = 4
 
 
 def one_way_delays(push: bool, hops: int) -> int:
@@ -77,8 +82,8 @@ def run_on_emulated_wan(
 
 
 def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
-    """Seconds one decode token spends in each span (measured here as the servers run it: one
-    torch thread, the passes compiled where theirs are) and in the client's own part
+    """Seconds one decode token spends in each span (median_step_seconds, as the servers run it:
+    one torch thread, the passes compiled where theirs are) and in the client's own part
     (embedding, final norm, LM head and the greedy pick, as the bench's generations decode)."""
     import torch
 
@@ -91,7 +96,7 @@ def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
         span = blocks.load_span(checkpoint, start, end, torch.float32, "cpu")
         if servers_compile():
             span.compile_passes()
-        spans.append(1.0 / blocks.measure_throughput(span, use_disk_cache=False).decode_tps)
+        spans.append(median_step_seconds(span))
         del span
     ids = torch.tensor([[42]])
     times = []
@@ -101,6 +106,30 @@ def _compute_per_token(client_side: Any) -> tuple[list[float], float]:
             client_side.greedy(client_side.embed(ids)[:, -1])
             times.append(time.perf_counter() - started)
     return spans, statistics.median(times)
+
+
+def median_step_seconds(span: Any, steps: int = FLOOR_STEPS, past: int = FLOOR_PAST) -> float:
+    """The median of `steps` one-token decode steps of `span` (a blocks.Span), back to back in one
+    session after a prompt of `past` tokens and a few steps of warm-up. A median, not the mean of
+    blocks.measure_throughput's 16 steps: one slow stretch of the machine while the floor was
+    measured (a span timed at 29.9 ms, 14-17 ms in the run before) took a run's `ratio` to 0.999
+    where its token latency over the usual floor gave ~1.13."""
+    import torch
+
+    from blocks.cache import MemoryCache
+
+    hidden = span.config.hidden_size
+    cache = MemoryCache(budget_tokens=past + FLOOR_WARM_UP + steps + 8)
+    times = []
+    with torch.inference_mode(), cache.open_session(1, past + FLOOR_WARM_UP + steps) as session:
+        span(torch.randn(1, past, hidden), session)
+        for i in range(FLOOR_WARM_UP + steps):
+            step = torch.randn(1, 1, hidden)
+            started = time.perf_counter()
+            span(step, session)
+            if i >= FLOOR_WARM_UP:
+                times.append(time.perf_counter() - started)
+    return statistics.median(times)
 
 
 def servers_compile() -> bool:
