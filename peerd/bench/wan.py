@@ -119,9 +119,10 @@ def median_step_seconds(span: Any, steps: int = FLOOR_STEPS, past: int = FLOOR_P
     from blocks.cache import MemoryCache
 
     hidden = span.config.hidden_size
-    cache = MemoryCache(budget_tokens=past + FLOOR_WARM_UP + steps + 8)
+    length = past + FLOOR_WARM_UP + steps  # the session's tokens: the prompt and every step
+    cache = MemoryCache(budget_tokens=length + 8)
     times = []
-    with torch.inference_mode(), cache.open_session(1, past + FLOOR_WARM_UP + steps) as session:
+    with torch.inference_mode(), cache.open_session(1, length) as session:
         span(torch.randn(1, past, hidden), session)
         for i in range(FLOOR_WARM_UP + steps):
             step = torch.randn(1, 1, hidden)
