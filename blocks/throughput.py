@@ -7,7 +7,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from blocks.cache import MemoryCache, SpanSession
 from blocks.checkpoint import user_cache_dir
 from blocks.client_side import ClientSide
 from blocks.span import Span
+from blocks.threads import fastest
 
 PREFILL_TOKENS = 512
 DECODE_STEPS = 16
@@ -68,6 +69,19 @@ def measure_throughput(
     if use_disk_cache:
         _write_record(path, result)
     return result
+
+
+def fastest_decode_threads(span: Span, counts: Sequence[int], rounds: int = 5) -> int:
+    """The thread count of `counts` that runs a one-token decode step of `span` fastest in the
+    calling thread (blocks.threads.fastest), in one session after a 16-token prompt."""
+    step = _step_function(span, None)
+    calls = 6
+    length = 16 + rounds * len(counts) * (calls + 1) + 8
+    cache = MemoryCache(budget_tokens=length)
+    with torch.inference_mode(), cache.open_session(1, length) as session:
+        step(16, session)
+        step(1, session)  # warm-up: the first calls allocate and pick kernels
+        return fastest(lambda: step(1, session), counts, rounds=rounds, calls=calls)
 
 
 def _clock(device: torch.device) -> float:
