@@ -148,6 +148,9 @@ def test_a_spans_decode_step_is_timed_on_each_count(
         # Warm-up on the policy's count; then per round one untimed and six timed steps a count.
         assert ran_on[2:] == ([1] * 7 + [2] * 7) * 2
         assert blocks.fastest_decode_threads(span, (1,), rounds=1) == 1
+        ran_on.clear()  # a budget too short for a round still times one
+        assert blocks.fastest_decode_threads(span, (1, 2), budget_s=1e-9) in (1, 2)
+        assert ran_on[2:] == [1] * 7 + [2] * 7
         # The policy is the caller's again, and the thread's count what the policy last set (its
         # memory of it must hold: it sets a count only when it changes).
         assert threads.POLICY is policy and torch.get_num_threads() == 2
