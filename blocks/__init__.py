@@ -23,7 +23,7 @@ from blocks.lora import AdapterError, AdapterInfo, adapter_name, read_adapter
 from blocks.memory import block_bytes, cache_bytes_per_block
 from blocks.serving import Serving, ServingError, free_memory, resolve_serving
 from blocks.span import Span, load_span
-from blocks.throughput import Throughput, fastest_decode_threads, measure_throughput
+from blocks.throughput import Throughput, measure_throughput
 
 __all__ = [
     "FAMILIES",
@@ -48,7 +48,6 @@ __all__ = [
     "cache_bytes_per_block",
     "check_left_padding",
     "family_of",
-    "fastest_decode_threads",
     "free_memory",
     "generation_defaults",
     "load_client_side",

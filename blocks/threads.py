@@ -3,13 +3,10 @@
 A decode step is one token per sequence: on some CPUs its matrix products are too small to
 split, and a daemon pinned to one thread (`peerd start --torch-threads 1`, what a machine shared
 with other daemons wants) loses nothing on it; on others (MKL's one-row path) two threads run
-it 1.6x faster; on others again (the AMD EPYC VM of docs/swarm.md) two threads run it slower.
-So a daemon not told its count times its span's decode step on one thread and on every core
-(`fastest`, blocks.throughput.fastest_decode_threads) and keeps the faster. A prompt's pass
-(prefill) is many tokens: its matrix products split well, and the first token waits for it, so
-it wants every core the machine gives the daemon. `ThreadPolicy` sets torch's thread count
-before each pass of at least `prefill_rows` rows (batch x tokens) to `prefill`, and before
-smaller ones to `decode`.
+it 1.6x faster. A prompt's pass (prefill) is many tokens: its matrix
+products split well, and the first token waits for it, so it wants every core the machine gives
+the daemon. `ThreadPolicy` sets torch's thread count before each pass of at least
+`prefill_rows` rows (batch x tokens) to `prefill`, and before smaller ones to `decode`.
 
 torch's thread count is per OS thread where it matters (OpenMP's), so it is set in the thread
 that runs the forward (the process's compute thread, peerd.node.compute_thread), and only when
@@ -19,20 +16,13 @@ it changes.
 from __future__ import annotations
 
 import os
-import statistics
 import threading
-import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 # Rows from which a pass counts as prefill: a batch of 8 decode steps still runs as decode.
 PREFILL_ROWS = 16
-# `fastest`: a count within this fraction of the fastest one's time counts as fast as it, and the
-# smallest such count wins (fewer threads leave cores to the rest of the machine, and a daemon
-# runs its one-thread decode steps on its event loop, without a thread switch each way).
-TIE = 0.03
 
 
 def available_cores() -> int:
@@ -89,46 +79,3 @@ def configure(decode: int | None, prefill: int | None = None) -> ThreadPolicy:
 
 def apply(rows: int) -> None:
     POLICY.apply(rows)
-
-
-def use_decode(decode: int) -> ThreadPolicy:
-    """Keep the policy's prefill count and use `decode` threads for small passes from now on."""
-    global POLICY
-    POLICY = ThreadPolicy(decode, POLICY.prefill, POLICY.prefill_rows)
-    return POLICY
-
-
-def fastest(
-    step: Callable[[], None],
-    counts: Sequence[int],
-    rounds: int = 5,
-    calls: int = 6,
-    clock: Callable[[], float] = time.perf_counter,
-) -> int:
-    """The thread count of `counts` that runs `step` fastest in the calling thread: `rounds`
-    rounds, each timing `calls` back-to-back calls on every count in turn (so a slow stretch of
-    the machine falls on all of them), compared by the median per call. The smallest count within
-    TIE of the fastest wins. Each count is the policy's decode count while it is timed (a span's
-    forward sets its passes' count from the policy); the policy and the calling thread's torch
-    thread count are left as they were."""
-    global POLICY
-    if not counts:
-        raise ValueError("give at least one thread count to try")
-    before, policy = torch.get_num_threads(), POLICY
-    times: dict[int, list[float]] = {count: [] for count in counts}
-    try:
-        for _ in range(rounds):
-            for count in counts:
-                POLICY = ThreadPolicy(count, policy.prefill, policy.prefill_rows)
-                torch.set_num_threads(count)
-                step()  # the first call after a change starts or resizes OpenMP's team
-                started = clock()
-                for _ in range(calls):
-                    step()
-                times[count].append((clock() - started) / calls)
-    finally:
-        POLICY = policy
-        torch.set_num_threads(before)
-    medians = {count: statistics.median(t) for count, t in times.items()}
-    best = min(medians.values())
-    return min(count for count, median in medians.items() if median <= best * (1 + TIE))

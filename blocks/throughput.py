@@ -7,7 +7,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -17,12 +17,9 @@ from blocks.cache import MemoryCache, SpanSession
 from blocks.checkpoint import user_cache_dir
 from blocks.client_side import ClientSide
 from blocks.span import Span
-from blocks.threads import fastest
 
 PREFILL_TOKENS = 512
 DECODE_STEPS = 16
-# How long choosing a server's decode thread count may take, about (fastest_decode_threads).
-CHOOSE_THREADS_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -71,27 +68,6 @@ def measure_throughput(
     if use_disk_cache:
         _write_record(path, result)
     return result
-
-
-def fastest_decode_threads(
-    span: Span, counts: Sequence[int], rounds: int = 5, budget_s: float = CHOOSE_THREADS_S
-) -> int:
-    """The thread count of `counts` that runs a one-token decode step of `span` fastest in the
-    calling thread (blocks.threads.fastest), in one session after a 16-token prompt: up to
-    `rounds` rounds, fewer (one at least) where the warm-up step says they would take longer than
-    `budget_s` (a large span on a slow CPU)."""
-    step = _step_function(span, None)
-    calls = 6
-    per_round = len(counts) * (calls + 1)
-    length = 16 + 1 + rounds * per_round + 8
-    cache = MemoryCache(budget_tokens=length)
-    with torch.inference_mode(), cache.open_session(1, length) as session:
-        step(16, session)
-        started = time.perf_counter()
-        step(1, session)  # warm-up: the first calls allocate and pick kernels
-        step_s = time.perf_counter() - started
-        rounds = max(1, min(rounds, int(budget_s / max(step_s * per_round, 1e-9))))
-        return fastest(lambda: step(1, session), counts, rounds=rounds, calls=calls)
 
 
 def _clock(device: torch.device) -> float:

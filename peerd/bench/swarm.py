@@ -11,10 +11,8 @@ pair alone moved by up to 1.6x between repetitions of one run (docs/swarm.md).
 
 from __future__ import annotations
 
-import re
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,60 +40,31 @@ def _prompt_ids(tokenizer: Any) -> torch.Tensor:
     return tokenizer(PROMPT, return_tensors="pt")["input_ids"]
 
 
-def _local_run(
-    model: Any, ids: torch.Tensor, new_tokens: int, decode_threads: int
-) -> tuple[float, float, list[int]]:
+def _local_run(model: Any, ids: torch.Tensor, new_tokens: int) -> tuple[float, float, list[int]]:
     """(prefill seconds, decode tokens/s, tokens) of greedy generation by transformers (on the
     compute thread, where the swarm's client does its passes: see run_swarm_bench). Each pass
     computes the last position's logits alone, as transformers' own `generate` has it do
     (`logits_to_keep=1`): the prompt's other 83 rows of logits are work nobody needs, and the
-    swarm's client does not do it either. The prompt runs on the policy's prefill count, the
-    decode steps on `decode_threads`; the thread's count is left as it was (for the client's
-    passes, which follow the policy)."""
+    swarm's client does not do it either."""
     from transformers import DynamicCache
 
-    before = torch.get_num_threads()
-    blocks.threads.apply(ids.shape[1])
-    try:
-        with torch.inference_mode():
-            started = time.perf_counter()
-            cache = DynamicCache()
-            out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            prefill_s = time.perf_counter() - started
-            tokens = [int(token)]
-            torch.set_num_threads(decode_threads)
-            started = time.perf_counter()
-            for _ in range(new_tokens - 1):
-                out = model(
-                    token, past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1
-                )
-                token = out.logits[:, -1].argmax(-1, keepdim=True)
-                tokens.append(int(token))
-            decode_tps = (new_tokens - 1) / (time.perf_counter() - started)
-    finally:
-        torch.set_num_threads(before)
-    return prefill_s, decode_tps, tokens
-
-
-def _fastest_local_decode(model: Any, ids: torch.Tensor, counts: list[int]) -> int:
-    """The count of `counts` that runs the local model's one-token step fastest, after `ids`."""
-    from transformers import DynamicCache
-
+    blocks.threads.apply(ids.shape[1])  # the policy's count (run_swarm_bench: one for all passes)
     with torch.inference_mode():
-        out = model(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+        started = time.perf_counter()
+        cache = DynamicCache()
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         token = out.logits[:, -1].argmax(-1, keepdim=True)
-
-        def step() -> None:
-            model(token, past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
-
-        return blocks.threads.fastest(step, counts)
-
-
-def _decode_threads(log_path: Path) -> int | None:
-    """The decode thread count a daemon chose at start (peerd.daemon.startup), from its log."""
-    chose = re.search(r"decode steps on (\d+) torch thread", log_path.read_text())
-    return int(chose[1]) if chose else None
+        prefill_s = time.perf_counter() - started
+        tokens = [int(token)]
+        started = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            out = model(
+                token, past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1
+            )
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            tokens.append(int(token))
+        decode_tps = (new_tokens - 1) / (time.perf_counter() - started)
+    return prefill_s, decode_tps, tokens
 
 
 async def _swarm_run(
@@ -118,18 +87,18 @@ async def _swarm_run(
 
 
 async def _repetition(
-    leech: Leech, model: Any, ids: torch.Tensor, new_tokens: int, local_threads: int
+    leech: Leech, model: Any, ids: torch.Tensor, new_tokens: int
 ) -> tuple[dict[str, float], bool]:
     """One repetition's figures, and whether local, push and relayed decoding gave the same
     tokens: a decode run of each, then PREFILL_PAIRS more (local prefill, first token) pairs."""
     local_prefill, local_tps, local_tokens = await compute_thread.run(
-        _local_run, model, ids, new_tokens, local_threads
+        _local_run, model, ids, new_tokens
     )
     ttft, tps, swarm_tokens = await _swarm_run(leech, ids, new_tokens)
     _, relay_tps, relay_tokens = await _swarm_run(leech, ids, new_tokens, False)
     local_prefills, ttfts = [local_prefill], [ttft]
     for _ in range(PREFILL_PAIRS):
-        local_prefills.append((await compute_thread.run(_local_run, model, ids, 1, 1))[0])
+        local_prefills.append((await compute_thread.run(_local_run, model, ids, 1))[0])
         ttfts.append((await _swarm_run(leech, ids, 1))[0])
     local_prefill, ttft = statistics.median(local_prefills), statistics.median(ttfts)
     row = {
@@ -151,35 +120,28 @@ def run_swarm_bench(runs: int = 3, new_tokens: int = 64, torch_threads: int = 2)
     from transformers import AutoModelForCausalLM
 
     # Every torch pass here (the local model, the client's LM head) runs on the compute thread
-    # with `torch_threads` threads, as in a daemon (peerd.node.compute_thread), but for the local
-    # model's decode steps: those run on whichever of one thread and `torch_threads` runs its step
-    # faster, as a daemon started without --torch-threads chooses for its span's.
+    # with `torch_threads` threads, as in a daemon (peerd.node.compute_thread).
     blocks.threads.configure(torch_threads, torch_threads)
     compute_thread.quiet_event_loop_thread()
     checkpoint = blocks.resolve_checkpoint("default")
     model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     client = blocks.load_client_side(checkpoint)
     ids = _prompt_ids(client.tokenizer)
-    counts = sorted({1, torch_threads})
-    local_threads = trio.run(compute_thread.run, _fastest_local_decode, model, ids, counts)
-    # Each daemon (a machine of its own) gets the local model's prompt threads and chooses its
-    # decode threads itself: one generation's step is on one hop at a time, and idle OpenMP
-    # threads sleep after a short spin (peerd/__init__.py).
-    swarm = LocalSwarm(refresh_period=30.0, torch_threads=None, throughput="auto")
+    # Each daemon (a machine of its own) gets the local model's threads: one generation's step is
+    # on one hop at a time, and idle OpenMP threads sleep after a short spin (peerd/__init__.py).
+    swarm = LocalSwarm(refresh_period=30.0, torch_threads=torch_threads, throughput="auto")
     try:
         for name, span in (("a", "0:10"), ("b", "10:20"), ("c", "20:30")):
-            swarm.start(name, span, "--prefill-threads", str(torch_threads), online=True)
+            swarm.start(name, span, online=True)
 
         async def measure() -> dict[str, Any]:
             rows: list[dict[str, float]] = []
             same = True
             async with open_leech("default", swarm.initial_peers, refresh_period=30.0) as leech:
                 await _swarm_run(leech, ids, 4)  # warm-up: connections, first allocations
-                await compute_thread.run(_local_run, model, ids, 4, local_threads)
+                await compute_thread.run(_local_run, model, ids, 4)
                 for _ in range(runs):
-                    row, same_tokens = await _repetition(
-                        leech, model, ids, new_tokens, local_threads
-                    )
+                    row, same_tokens = await _repetition(leech, model, ids, new_tokens)
                     rows.append(row)
                     same &= same_tokens
                 route = leech.swarm.plan()
@@ -191,8 +153,6 @@ def run_swarm_bench(runs: int = 3, new_tokens: int = 64, torch_threads: int = 2)
                 new_tokens=new_tokens,
                 prompt_tokens=int(ids.shape[1]),
                 same_tokens_as_local=same,
-                local_decode_threads=local_threads,
-                daemon_decode_threads=[_decode_threads(d.log_path) for d in swarm.daemons],
                 prefill_pairs=PREFILL_PAIRS + 1,
                 route=[f"{hop.start}:{hop.end}@{hop.peer_id[-8:]}" for hop in route],
                 all_ratios=[row["ratio"] for row in rows],

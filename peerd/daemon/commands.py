@@ -51,16 +51,13 @@ REBALANCE_PERIOD = typer.Option(
     120.0, min=0.1, help="With --blocks auto or N: seconds between checks for a better span."
 )
 TORCH_THREADS = typer.Option(
-    None,
-    min=1,
-    help="torch threads for decode steps (passes of few tokens); default: one or every core, "
-    "whichever runs this server's decode step faster, timed at start on a CPU.",
+    None, min=1, help="torch threads for compute (decode steps: passes of few tokens)."
 )
 PREFILL_THREADS = typer.Option(
     None,
     min=1,
     help="torch threads for passes of 16 tokens or more (prompts); default: every core this "
-    "process may use (docs/operations.md).",
+    "process may use when --torch-threads is given (docs/operations.md).",
 )
 SOCKET = typer.Option(None, help="Local API socket (default: $XDG_RUNTIME_DIR/peerd/peerd.sock).")
 LOG_LEVEL = typer.Option("info", help="debug, info, warning or error.")

@@ -341,7 +341,7 @@ class Daemon:
         config = self.config
         span = await load_serving_span(
             self.checkpoint, (start, end), config.serving, self.adapters, config.compile,
-            self.budget, config.cache_tokens, choose_threads=config.torch_threads is None,
+            self.budget, config.cache_tokens,
         )  # fmt: skip
         cache = blocks.MemoryCache(budget_tokens=self.config.cache_tokens)
         throughput = await self._throughput(span)

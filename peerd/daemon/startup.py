@@ -14,7 +14,6 @@ while it runs (peerd.node.identity.hold_identity), so two running daemons never 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import socket
 from pathlib import Path
@@ -27,8 +26,6 @@ from peerd.node import compute_thread
 from peerd.node.identity import HeldIdentity, IdentityError, IdentityInUse, hold_identity
 from peerd.node.p2p import BadMultiaddr, parse_peer_maddr
 from peerd.paths import default_socket_path, state_dir
-
-log = logging.getLogger(__name__)
 
 
 class ClaimError(Exception):
@@ -151,36 +148,19 @@ async def load_serving_span(
     compile_passes: bool,
     budget: int | None = None,
     cache_tokens: int = 0,
-    choose_threads: bool = False,
 ) -> blocks.Span:
     """The blocks `span` of `checkpoint` as a server serves them, loaded on the compute thread;
     with `compile_passes` (`--compile`), their decode steps and prompts compiled there too,
     where they can be (blocks.compiled), before the server measures its throughput, and packed
     copies of their weights kept only within what the memory `budget` (None: none) leaves
-    beside them and a cache of `cache_tokens`. `choose_threads` (no `--torch-threads`): decode
-    steps then use whichever of one thread and every core runs them faster (on a CPU)."""
+    beside them and a cache of `cache_tokens`."""
     loaded = await compute_thread.run(
         blocks.load_span, checkpoint, *span, serving.dtype, serving.device, adapters, serving.quant
     )
     if compile_passes:
         room = None if budget is None else budget - held_bytes(loaded, cache_tokens)
         await compute_thread.run(loaded.compile_passes, room)
-    if choose_threads:
-        await choose_decode_threads(loaded)
     return loaded
-
-
-async def choose_decode_threads(span: blocks.Span) -> None:
-    """Time `span`'s decode step on one thread and on every core this process may use, on the
-    compute thread, and keep the faster for decode steps (blocks.threads.fastest). One thread
-    lets a daemon run a lone step on its event loop (peerd.server.compute)."""
-    cores = blocks.threads.available_cores()
-    if span.device.type != "cpu" or cores < 2:
-        return
-    counts = (1, cores)
-    decode = await compute_thread.run(blocks.fastest_decode_threads, span, counts)
-    blocks.threads.use_decode(decode)
-    log.info("decode steps on %d torch thread(s): the faster of %s here", decode, counts)
 
 
 def held_bytes(span: blocks.Span, cache_tokens: int) -> int:

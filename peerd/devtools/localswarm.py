@@ -156,7 +156,7 @@ class LocalSwarm:
         self,
         workdir: Path | None = None,
         refresh_period: float = 2.0,
-        torch_threads: int | None = 1,
+        torch_threads: int = 1,
         throughput: str = "20",
     ) -> None:
         # A workdir of its own (none given) goes when the swarm stops; a given one is the caller's.
@@ -164,8 +164,7 @@ class LocalSwarm:
         self.workdir = workdir or Path(tempfile.mkdtemp(prefix="peerd-swarm-"))
         self.refresh_period = refresh_period
         # Tests pass a fixed throughput: measuring it costs seconds per daemon and the planner
-        # only compares servers of one test with each other. `torch_threads` None: the daemons
-        # choose their decode threads as `peerd start` does without --torch-threads.
+        # only compares servers of one test with each other.
         self.torch_threads = torch_threads
         self.throughput = throughput
         self.daemons: list[DaemonProcess] = []
@@ -196,7 +195,8 @@ class LocalSwarm:
             f"/ip4/{host.ip if host else '127.0.0.1'}/tcp/0",
             "--refresh-period",
             str(self.refresh_period),
-            *(["--torch-threads", str(self.torch_threads)] if self.torch_threads else []),
+            "--torch-threads",
+            str(self.torch_threads),
             "--throughput",
             self.throughput,
             *extra,
